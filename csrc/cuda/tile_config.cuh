@@ -1,0 +1,59 @@
+// Tile sizes of the sm_90a MXFP8 forward kernel, with the reason for each limit.
+// Device-only constants: no XLA or nanobind types here.
+#pragma once
+#include <cstdint>
+
+namespace jax_fa4::sm90 {
+
+// Warp roles. One CTA = 3 warpgroups: the producer issues TMA loads, two consumers each own 64
+// query rows (wgmma's M is fixed at 64 per warpgroup, so 2 consumers give a 128-row Q tile).
+enum class WarpRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kNumConsumerWG = 2;
+constexpr int kThreads = (1 + kNumConsumerWG) * kWarpgroupThreads;  // 384
+constexpr int kBlockM = 64 * kNumConsumerWG;                        // 128 query rows per CTA
+
+// Registers after setmaxnreg: 24 for the producer (it only runs one elected TMA thread) and 240
+// for the consumers. 128*24 + 256*240 = 64512 <= 65536 registers of one SM, so one CTA fits.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThreads * kConsumerRegs <= 65536,
+              "register split exceeds the register file");
+
+// Key tile size (the N of QK^T and the K of PV). Register budget per consumer thread:
+// O accumulator = 64*H/128 fp32, S accumulator = 64*BN/128 fp32, P = 64*BN/128/4 words.
+//   H<=128: BN=128 -> O 64 + S 64 + P 16 = 144 registers.
+//   H=256 : BN=128 would need O 128 + S 64 + P 16 = 208 plus addressing: too close to 240, so
+//           BN=64 -> O 128 + S 32 + P 8 = 168.
+template <int H> struct TileConfig {
+  static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
+  static constexpr int kHeadDim = H;
+  static constexpr int kBlockN = (H == 256) ? 64 : 128;
+  // Shared memory per stage: K tile BN*H bytes + V^T tile H*BN bytes + BN fp32 key scales.
+  // Stages: enough to keep 2 tiles in flight ahead of the consumers; bounded by 227 KB.
+  static constexpr int kStages = (H == 64) ? 4 : (H == 128 ? 3 : 3);
+  // Swizzle width of the Q and K tiles (rows of H bytes, e4m3): 128B swizzle needs 128-byte rows,
+  // so H=256 is split into two 128-byte column chunks; H=64 uses the 64B swizzle.
+  static constexpr int kSwQK = (H >= 128) ? 128 : 64;
+  static constexpr int kChunksQK = H / kSwQK;
+  // Swizzle of the V^T tile: its rows are BN keys (bytes) long.
+  static constexpr int kSwV = kBlockN;  // 128 or 64
+  static constexpr int kQBytes = kBlockM * H;
+  static constexpr int kKBytes = kBlockN * H;
+  static constexpr int kVBytes = H * kBlockN;
+  static constexpr int kSmemBytes =
+      1024 /*alignment slack*/ + kQBytes + kStages * (kKBytes + kVBytes) + kStages * kBlockN * 4 + 256 /*barriers*/;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM exceeded");
+  static_assert(kBlockN % 32 == 0, "wgmma fp8 consumes 32 keys per instruction");
+  static_assert(H % 32 == 0, "wgmma fp8 consumes 32 head dims per instruction");
+  static_assert(H <= 256, "the PV wgmma has N = H and N <= 256");
+  static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
+                "swizzled tiles must stay 1024-byte aligned");
+};
+
+// The key-scale and V^T buffers are padded to a multiple of this along S, so that every key tile
+// (BN <= 128) is in bounds and padded keys are exact zeros rather than garbage.
+constexpr int kSeqPad = 128;
+
+}  // namespace jax_fa4::sm90

@@ -1,0 +1,16 @@
+"""jax_fa4: block-scaled (MXFP8) FlashAttention for JAX."""
+from jax_fa4.mx import MXArray, dequantize, quantize, requantize
+from jax_fa4.attention import AttentionConfig, dot_product_attention
+from jax_fa4.backends import available as available_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MXArray",
+    "AttentionConfig",
+    "available_backends",
+    "dequantize",
+    "dot_product_attention",
+    "quantize",
+    "requantize",
+]

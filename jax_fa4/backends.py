@@ -1,0 +1,182 @@
+"""The backends behind ``dot_product_attention`` and how one is chosen.
+
+- ``"xla"``: the plain-jnp recipe (jax_fa4.reference), any platform; the only one serving a
+  dense ``bias`` or ``mask``.
+- ``"cpu"``: the C++ FFI kernels (forward and backward), platform "cpu".
+- ``"cuda"``: the Hopper (sm_90a) forward kernels; its backward pass runs the jnp recipe on the
+  GPU until the Hopper backward kernels land.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+
+from jax_fa4 import reference
+
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+class Unsupported(Exception):
+  """Why a backend cannot serve a call: carries the exception type to raise for it."""
+
+  def __init__(self, exc_type, message):
+    super().__init__(message)
+    self.exc_type = exc_type
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  name: str
+  platform: Optional[str]  # jax.default_backend() value it runs on; None = any
+  available: Callable[[], bool]
+  check: Callable[..., None]  # raises Unsupported
+  forward_mx: Callable
+  backward: Callable
+  forward_float: Optional[Callable] = None
+
+
+# ---- xla: the recipe -------------------------------------------------------------------------
+
+def _xla_check(**_):
+  return None
+
+
+def _recipe_kwargs(bias, mask, q_len, kv_len, cfg):
+  return dict(scale=cfg.scale, is_causal=cfg.is_causal, q_seqlen=q_len, kv_seqlen=kv_len,
+              window=cfg.window, bias=bias, mask=mask)
+
+
+def _xla_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
+  return reference.mx_forward(q_h, k_h, v_s, **_recipe_kwargs(bias, mask, q_len, kv_len, cfg))
+
+
+def _xla_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
+  return reference.mx_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta,
+                               **_recipe_kwargs(bias, mask, q_len, kv_len, cfg))
+
+
+# ---- cpu: C++ FFI kernels --------------------------------------------------------------------
+
+def _cpu_ops():
+  from jax_fa4 import _cpu_ops  # imports the extension; fails cleanly where it is not built
+  return _cpu_ops
+
+
+def _cpu_available() -> bool:
+  try:
+    return _cpu_ops().available()
+  except ImportError:
+    return False
+
+
+def _kernel_check(name, *, head_dim, has_bias, has_mask, **_):
+  if has_bias:
+    raise Unsupported(NotImplementedError,
+                      f"bias is not supported by implementation={name!r}; use "
+                      f"implementation='xla' (or None, which falls back to it)")
+  if has_mask:
+    raise Unsupported(NotImplementedError,
+                      f"a dense mask is not supported by implementation={name!r}; express it "
+                      f"with is_causal/local_window_size/*_seq_lengths, or use "
+                      f"implementation='xla'")
+  if head_dim not in KERNEL_HEAD_DIMS:
+    raise Unsupported(ValueError, f"{head_dim=} must be one of {KERNEL_HEAD_DIMS} for "
+                                  f"implementation={name!r}")
+
+
+def _cpu_check(**kw):
+  _kernel_check("cpu", **kw)
+
+
+def _cpu_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
+  left, right = cfg.window_lr
+  return _cpu_ops().forward(q_h, k_h, v_s, q_len, kv_len, scale=cfg.scale,
+                            is_causal=cfg.is_causal, window_left=left, window_right=right)
+
+
+def _cpu_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
+  left, right = cfg.window_lr
+  dq, dk, dv = _cpu_ops().backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, q_len, kv_len,
+                                   scale=cfg.scale, is_causal=cfg.is_causal, window_left=left,
+                                   window_right=right)
+  return dq, dk, dv, None
+
+
+# ---- cuda: Hopper kernels --------------------------------------------------------------------
+
+def _cuda_ops():
+  from jax_fa4 import _cuda_ops
+  return _cuda_ops
+
+
+def _cuda_available() -> bool:
+  try:
+    return _cuda_ops().available()
+  except ImportError:
+    return False
+
+
+def _cuda_check(**kw):
+  _kernel_check("cuda", **kw)
+
+
+def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
+  return _cuda_ops().forward_mx(q_h, k_h, v_s, q_len, kv_len, scale=cfg.scale,
+                                is_causal=cfg.is_causal, window=cfg.window,
+                                out_dtype=cfg.out_dtype)
+
+
+def _cuda_forward_float(q, k, v, q_len, kv_len, cfg):
+  return _cuda_ops().forward_float(q, k, v, q_len, kv_len, scale=cfg.scale,
+                                   is_causal=cfg.is_causal, window=cfg.window,
+                                   out_dtype=cfg.out_dtype)
+
+
+_BACKENDS = {
+    "xla": Backend("xla", None, lambda: True, _xla_check, _xla_forward, _xla_backward),
+    "cpu": Backend("cpu", "cpu", _cpu_available, _cpu_check, _cpu_forward, _cpu_backward),
+    # The Hopper backward kernels are issue 4: until then the recipe runs the backward on the GPU.
+    "cuda": Backend("cuda", "gpu", _cuda_available, _cuda_check, _cuda_forward, _xla_backward,
+                    forward_float=_cuda_forward_float),
+}
+
+
+def get(name: str) -> Backend:
+  return _BACKENDS[name]
+
+
+def available() -> dict:
+  """{backend name: whether it can run here} (kernels: extension built and device present)."""
+  return {name: b.available() for name, b in _BACKENDS.items()}
+
+
+def resolve(implementation: Optional[str], **features) -> str:
+  """The backend that serves a call: an explicit choice is checked, None picks the fastest."""
+  if implementation is not None:
+    b = _BACKENDS[implementation]
+    if not b.available():
+      raise RuntimeError(
+          f"implementation={implementation!r} is not available here: "
+          + ("the jax_fa4 C++ extension was not built" if implementation == "cpu" else
+             "it needs the jax_fa4 CUDA extension (built with nvcc) and a Hopper (sm_90) GPU "
+             "as jax's default device"))
+    if b.platform is not None and jax.default_backend() != b.platform:
+      raise RuntimeError(f"implementation={implementation!r} runs on platform {b.platform!r}, "
+                         f"but jax's default backend is {jax.default_backend()!r}")
+    try:
+      b.check(**features)
+    except Unsupported as e:
+      raise e.exc_type(str(e)) from None
+    return implementation
+  platform = jax.default_backend()
+  for name in ("cuda", "cpu"):
+    b = _BACKENDS[name]
+    if b.platform == platform and b.available():
+      try:
+        b.check(**features)
+      except Unsupported:
+        continue
+      return name
+  return "xla"
