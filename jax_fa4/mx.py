@@ -8,6 +8,7 @@ divided by 32 (rounded up).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +156,11 @@ def quantize(x: jax.Array, axis: int = -1) -> MXArray:
     raise TypeError(f"x.dtype={x.dtype} must be a floating dtype to quantize")
   if x.ndim == 0:
     raise ValueError(f"x.shape={x.shape} must have at least one axis to block along")
-  axis = _normalize_axis(axis, x.ndim)
+  return _quantize(x, _normalize_axis(axis, x.ndim))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(x: jax.Array, axis: int) -> MXArray:
   n = x.shape[axis]
   xf = x.astype(jnp.float32)
   xb = _blocked(xf, axis)
@@ -179,6 +184,7 @@ def expand_scale_bytes(scale: jax.Array, axis: int, length: int) -> jax.Array:
   return jax.lax.slice_in_dim(b, 0, length, axis=axis)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def dequantize(x: MXArray, dtype=jnp.float32) -> jax.Array:
   """``data * 2**(scale - 127)`` in float32 (exact for normal results), then cast to ``dtype``."""
   b = expand_scale_bytes(x.scale, x.axis, x.data.shape[x.axis])

@@ -8,6 +8,8 @@ are exact float64 attention (numpy) on given inputs, the yardstick of the accura
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +52,16 @@ def _pv(p, vd):
   return out.reshape(B, T, N, H)
 
 
+_STATIC = ("scale", "is_causal", "window", "round_p")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mx_forward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, *, scale: float, is_causal=False,
-               q_seqlen=None, kv_seqlen=None, window=None, bias=None, mask=None):
+               q_seqlen=None, kv_seqlen=None, window=None, bias=None, mask=None,
+               round_p=True):
   """Forward recipe. q, k blocked along H (axis 3), v along S (axis 1).
+
+  ``round_p=False`` (a testing aid) skips the rounding of P, leaving exact products.
 
   Returns ``(o, lse)``: o float32 [B, T, N, H], lse float32 [B, T, N] (natural log; -inf and
   o = 0 for fully masked rows).
@@ -67,7 +76,7 @@ def mx_forward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, *, scale: float, is_
   m_safe = jnp.where(jnp.isneginf(m), 0.0, m)  # a fully masked row has no maximum
   p = jnp.exp(s - m_safe)
   l = jnp.sum(p, axis=-1)  # from the unquantized P
-  p8 = mx.quantize_fixed(p, P_SCALE)
+  p8 = mx.quantize_fixed(p, P_SCALE) if round_p else p
   o = _pv(p8, vd)
   l_btn = jnp.transpose(l, (0, 2, 1))
   o = jnp.where(l_btn[..., None] > 0, o / jnp.where(l_btn > 0, l_btn, 1.0)[..., None], 0.0)
@@ -75,14 +84,17 @@ def mx_forward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, *, scale: float, is_
   return o, jnp.transpose(lse, (0, 2, 1))
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mx_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, *, scale: float, is_causal=False,
-                q_seqlen=None, kv_seqlen=None, window=None, bias=None, mask=None):
+                q_seqlen=None, kv_seqlen=None, window=None, bias=None, mask=None,
+                round_p=True):
   """Backward recipe (NUMERICS.md section 3), written out explicitly.
 
   Operands are MX tensors blocked along the contraction axis of the product that consumes them:
   q_h, k_h, v_h, do_h along H; q_t, do_t along T (axis 1); k_s along S (axis 1). lse and
   delta = rowsum(o * dO) are float32 [B, T, N]. Returns float32 (dq, dk, dv, dbias) where dbias
-  is the unquantized fp32 dS [B, N, T, S] (None without a bias).
+  is the unquantized fp32 dS [B, N, T, S] (None without a bias). ``round_p=False`` (a testing
+  aid) skips the rounding of P and dS, leaving exact products.
   """
   qd, kd = q_h.dequantize(), k_h.dequantize()
   B, T, N, _ = qd.shape
@@ -93,7 +105,7 @@ def mx_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, *, scale: float
   s = _logits(qd, kd, scale, bias, keep)
   lse_bnt = jnp.transpose(lse, (0, 2, 1))[..., None]
   p = jnp.where(jnp.isneginf(lse_bnt), 0.0, jnp.exp(s - jnp.where(jnp.isneginf(lse_bnt), 0.0, lse_bnt)))
-  p8 = mx.quantize_fixed(p, P_SCALE)
+  p8 = mx.quantize_fixed(p, P_SCALE) if round_p else p
   # dV = P8^T dO, dO blocked along T.
   dv = jnp.einsum("bkgts,btkgh->bskh", p8.reshape(B, K, G, T, S),
                   do_t.dequantize().reshape(B, T, K, G, -1), precision=_HI,
@@ -103,8 +115,8 @@ def mx_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, *, scale: float
                   precision=_HI, preferred_element_type=jnp.float32).reshape(B, N, T, S)
   ds = p * (dp - jnp.transpose(delta, (0, 2, 1))[..., None])
   # dS quantized twice: along S for dQ = dS K, along T for dK = dS^T Q.
-  ds_s = mx.quantize(ds, axis=3).dequantize()
-  ds_t = mx.quantize(ds, axis=2).dequantize()
+  ds_s = mx.quantize(ds, axis=3).dequantize() if round_p else ds
+  ds_t = mx.quantize(ds, axis=2).dequantize() if round_p else ds
   dq = _pv(ds_s, k_s.dequantize()) * jnp.float32(scale)
   dk = jnp.einsum("bkgts,btkgh->bskh", ds_t.reshape(B, K, G, T, S),
                   q_t.dequantize().reshape(B, T, K, G, -1), precision=_HI,

@@ -30,7 +30,7 @@ def rel_err(x, truth) -> float:
     return float("inf")  # a -inf where the truth is finite, or a finite value where it is -inf
   if not np.isfinite(x[finite]).all():
     return float("inf")
-  num = np.linalg.norm((x - truth)[finite])
+  num = np.linalg.norm(x[finite] - truth[finite])
   den = np.linalg.norm(truth[finite])
   if den == 0:
     return float(num)
