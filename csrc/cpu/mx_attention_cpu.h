@@ -88,15 +88,19 @@ struct BackwardArgs {
 };
 
 // The kernels assume validated arguments (H % 32 == 0, 32 <= H <= 256, N % K == 0, K >= 1).
-void mx_attention_forward(const ForwardArgs& a);
-void mx_attention_backward(const BackwardArgs& a);
+// Every output element is written. They return false only if scratch memory could not be
+// allocated (the outputs are then unspecified).
+bool mx_attention_forward(const ForwardArgs& a);
+bool mx_attention_backward(const BackwardArgs& a);
 
 // ---- work partitioning ----
 
 // Runs fn(i) for i in [0, n) on the static pool (hardware_concurrency threads in all, the
 // caller included; JAX_FA4_CPU_THREADS overrides), returning when every item is done. Items are
 // handed out dynamically in increasing order. Safe to call from several threads at once.
-void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
+// fp32 subnormals are flushed (FTZ/DAZ) while items run, as in XLA's CPU runtime. Returns false
+// if an item threw (e.g. bad_alloc).
+bool parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 int num_threads();
 
 }  // namespace cpu
