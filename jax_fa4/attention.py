@@ -277,7 +277,8 @@ def dot_product_attention(
   mask4 = _check_bnts(mask, "mask", B, N, T, S, boolean=True)
 
   out_dtype = q_dtype or "bfloat16"
-  backend = backends.resolve(implementation, head_dim=H, num_heads=N, num_kv_heads=K,
+  backend = backends.resolve(implementation, q_shape=q4, k_shape=k4, head_dim=H, num_heads=N,
+                             num_kv_heads=K,
                              has_bias=bias4 is not None, has_mask=mask4 is not None,
                              window=window, is_causal=is_causal, out_dtype=out_dtype)
   cfg = AttentionConfig(scale=float(scale), is_causal=bool(is_causal), window=window,

@@ -4,7 +4,7 @@
   dense ``bias`` or ``mask``.
 - ``"cpu"``: the C++ FFI kernels (forward and backward), platform "cpu".
 - ``"cuda"``: the Hopper (sm_90a) forward kernels; its backward pass runs the jnp recipe on the
-  GPU until the Hopper backward kernels land.
+  GPU until the Hopper backward kernels land. Opt-in only (see ``Backend.default``).
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ class Backend:
   forward_mx: Callable
   backward: Callable
   forward_float: Optional[Callable] = None
+  # Whether implementation=None may pick it: only backends that meet the accuracy contract.
+  default: bool = True
 
 
 # ---- xla: the recipe -------------------------------------------------------------------------
@@ -118,8 +120,12 @@ def _cuda_available() -> bool:
     return False
 
 
-def _cuda_check(**kw):
+def _cuda_check(*, q_shape, k_shape, **kw):
   _kernel_check("cuda", **kw)
+  why = _cuda_ops().unsupported_reason(q_shape, k_shape, head_dim=kw["head_dim"],
+                                       window=kw["window"], out_dtype=kw["out_dtype"])
+  if why is not None:
+    raise Unsupported(NotImplementedError, f"implementation='cuda' cannot serve this call: {why}")
 
 
 def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
@@ -138,8 +144,10 @@ _BACKENDS = {
     "xla": Backend("xla", None, lambda: True, _xla_check, _xla_forward, _xla_backward),
     "cpu": Backend("cpu", "cpu", _cpu_available, _cpu_check, _cpu_forward, _cpu_backward),
     # The Hopper backward kernels are issue 4: until then the recipe runs the backward on the GPU.
+    # Not a default: on an H200 its FP8 tensor-core accumulation misses the contract for the lse
+    # and for outlier inputs (docs/HOPPER_FORWARD.md); implementation='cuda' opts in.
     "cuda": Backend("cuda", "gpu", _cuda_available, _cuda_check, _cuda_forward, _xla_backward,
-                    forward_float=_cuda_forward_float),
+                    forward_float=_cuda_forward_float, default=False),
 }
 
 
@@ -173,7 +181,7 @@ def resolve(implementation: Optional[str], **features) -> str:
   platform = jax.default_backend()
   for name in ("cuda", "cpu"):
     b = _BACKENDS[name]
-    if b.platform == platform and b.available():
+    if b.default and b.platform == platform and b.available():
       try:
         b.check(**features)
       except Unsupported:

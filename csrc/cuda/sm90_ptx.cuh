@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cuda.h>
+#include <cuda_fp16.h>
 
 namespace jax_fa4::sm90 {
 

@@ -1,0 +1,126 @@
+// Launcher of the sm_90a forward kernel: builds the TMA tensor maps, picks the tile config by
+// head dim, and launches one CTA per (128-row query tile, query head, batch).
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdlib>
+#include <mutex>
+#include "cuda/fwd_sm90_mainloop.cuh"
+#include "cuda/launch.h"
+
+namespace jax_fa4::cuda {
+namespace {
+
+using sm90::FwdParams;
+using sm90::TileConfig;
+
+static_assert(kSeqPad == sm90::kSeqPad, "launch.h and tile_config.cuh disagree on the S padding");
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so the module needs no link
+// against libcuda (the wheel then loads wherever the driver is).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// 4-D tiled tensor map over uint8 (e4m3) data; dims/strides innermost first, strides in bytes.
+cudaError_t make_map(CUtensorMap* map, const void* base, const cuuint64_t dims[4], const cuuint64_t strides[3],
+                     const cuuint32_t box[4], CUtensorMapSwizzle swizzle) {
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  EncodeTiledFn enc = encode_tiled();
+  if (enc == nullptr) return cudaErrorSymbolNotFound;
+  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides,
+                                      box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+constexpr CUtensorMapSwizzle swizzle_of(int bytes) {
+  return bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+}
+
+template <int H, bool kPipe>
+cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
+  using Cfg = TileConfig<H>;
+  CUtensorMap tm_q, tm_k, tm_v;
+  {  // Q [B, T, N, H]: box = one swizzle-width column chunk of 128 rows (query positions).
+    const cuuint64_t dims[4] = {(cuuint64_t)H, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.N * H, (cuuint64_t)H, (cuuint64_t)a.T * a.N * H};
+    const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)sm90::kBlockM, 1, 1};
+    if (auto e = make_map(&tm_q, a.q8, dims, str, box, swizzle_of(Cfg::kSwQK)); e != cudaSuccess) return e;
+  }
+  {  // K [B, S, Kh, H]: box = one column chunk of BN keys.
+    const cuuint64_t dims[4] = {(cuuint64_t)H, (cuuint64_t)a.S, (cuuint64_t)a.Kh, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.Kh * H, (cuuint64_t)H, (cuuint64_t)a.S * a.Kh * H};
+    const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)Cfg::kBlockN, 1, 1};
+    if (auto e = make_map(&tm_k, a.k8, dims, str, box, swizzle_of(Cfg::kSwQK)); e != cudaSuccess) return e;
+  }
+  {  // V^T [B, Kh, H, S_pad]: box = BN keys (one swizzle row) x all H columns.
+    const cuuint64_t dims[4] = {(cuuint64_t)a.S_pad, (cuuint64_t)H, (cuuint64_t)a.Kh, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.S_pad, (cuuint64_t)H * a.S_pad, (cuuint64_t)a.Kh * H * a.S_pad};
+    const cuuint32_t box[4] = {(cuuint32_t)Cfg::kBlockN, (cuuint32_t)H, 1, 1};
+    if (auto e = make_map(&tm_v, a.vt, dims, str, box, swizzle_of(Cfg::kSwV)); e != cudaSuccess) return e;
+  }
+  // The dynamic shared-memory opt-in is a per-device function attribute: set it once per device.
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t errs[kMaxDevices];
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(once[dev], [dev] {
+    errs[dev] = cudaFuncSetAttribute(sm90::fwd_sm90_kernel<H, kPipe>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Cfg::kSmemBytes);
+  });
+  const cudaError_t attr_err = errs[dev];
+  if (attr_err != cudaSuccess) return attr_err;
+  p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
+  dim3 grid(p.num_m_blocks, a.N, a.B);
+  sm90::fwd_sm90_kernel<H, kPipe><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
+  if (a.Kh <= 0 || a.N % a.Kh != 0 || a.S_pad % kSeqPad != 0 || a.S_pad < a.S) return cudaErrorInvalidValue;
+  if (a.N > 65535 || a.B > 65535) return cudaErrorInvalidValue;  // grid y / z limits
+  if (a.B == 0 || a.T == 0 || a.N == 0) return cudaSuccess;
+  if (a.S == 0) return cudaErrorInvalidValue;  // handled in Python (zero-length keys: O = 0)
+  FwdParams p{};
+  p.B = a.B; p.T = a.T; p.S = a.S; p.N = a.N; p.Kh = a.Kh; p.H = a.H; p.S_pad = a.S_pad;
+  p.group = a.N / a.Kh;
+  p.qs = a.qs; p.ks = a.ks; p.vs = a.vs; p.q_len = a.q_len; p.kv_len = a.kv_len;
+  p.o = a.o; p.lse = a.lse;
+  p.out_dtype = static_cast<sm90::OutDtype>(static_cast<int>(a.out_type));
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.mask.left = a.window_left < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_left, sm90::kUnbounded - 1);
+  int right = a.window_right < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_right, sm90::kUnbounded - 1);
+  if (a.causal) right = std::min(right, 0);
+  p.mask.right = right;
+  // Precision experiment switch (see fwd_sm90_mainloop.cuh); read per launch, off by default.
+  const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
+  p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
+  const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
+  // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |4 single-level O (mainloop).
+  p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
+  if (p.pipelined & 6) p.pipelined |= 1;
+  const bool pipe = (p.pipelined & 1) != 0;  // experimental variants: H <= 128 only
+  switch (a.H) {
+    case 64: return pipe ? launch_h<64, true>(a, p, stream) : launch_h<64, false>(a, p, stream);
+    case 128: return pipe ? launch_h<128, true>(a, p, stream) : launch_h<128, false>(a, p, stream);
+    case 256: return launch_h<256, false>(a, p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_fa4::cuda

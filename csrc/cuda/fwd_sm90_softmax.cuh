@@ -1,0 +1,105 @@
+// Online softmax of one consumer thread's two score rows (rows gid and gid+8 of its warp's 16).
+//
+// Units: the wgmma gives acc = q8 . k8; x = acc * k_scale[j] is the score up to the per-row
+// factor rf = q_scale[i] * softmax_scale * log2(e) (> 0). The running max m is kept in x units,
+// so one FFMA per element gives  x*rf - m*rf + 8 = log2(P * 256):  exp2 of it is P*256, the
+// recipe's fixed P scale, ready for the e4m3 conversion. l accumulates these unquantised
+// values (l = 256 * sum P); the epilogue divides by it, which also removes the 256.
+#pragma once
+#include <cmath>
+#include "cuda/sm90_ptx.cuh"
+
+namespace jax_fa4::sm90 {
+
+template <int BN>
+struct RowSoftmax {
+  // Accumulator layout (wgmma m64nBN, fp32): s[j*4 + e] is row gid, column j*8 + tq*2 + e;
+  // s[j*4 + 2 + e] is row gid + 8 (j < BN/8, e < 2).
+  static constexpr int kRegs = BN / 2;
+  float m[2];  // running max in x units (-inf until a finite score arrives)
+  float l[2];  // per-thread partial of 256 * sum P (the quad's 4 partials are added at the end)
+  float rf[2];
+
+  __device__ __forceinline__ void init(float rf0, float rf1) {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+    rf[0] = rf0;
+    rf[1] = rf1;
+  }
+
+  // Updates m and l from the tile s (in place: s becomes P*256), returns the O rescale factors.
+  __device__ __forceinline__ void step(float* s, float& alpha0, float& alpha1) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[j * 4 + 0], s[j * 4 + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[j * 4 + 2], s[j * 4 + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    float bias[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (mx[r] == -INFINITY) {
+        // Everything so far is masked: P = exp2(-inf) = 0, nothing to rescale.
+        alpha[r] = 1.f;
+        bias[r] = 0.f;
+      } else {
+        // m[r] = -inf gives exp2(-inf) = 0: O and l are still zero then, any factor is fine.
+        alpha[r] = exp2_approx((m[r] - mx[r]) * rf[r]);
+        bias[r] = 8.f - mx[r] * rf[r];
+      }
+      m[r] = mx[r];
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = exp2_approx(fmaf(s[j * 4 + e], rf[r], bias[r]));
+        s[j * 4 + e] = p;
+        sum[r] += p;
+      }
+    }
+    l[0] = l[0] * alpha[0] + sum[0];
+    l[1] = l[1] * alpha[1] + sum[1];
+    alpha0 = alpha[0];
+    alpha1 = alpha[1];
+  }
+
+  // Adds the quad's partial sums (the 4 threads that share a row).
+  __device__ __forceinline__ void finish() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+  }
+};
+
+// Packs the P*256 tile into the A-operand registers of the PV wgmma (m64 k32 per instruction).
+// The A fragment wants, for k-step kk, row gid: columns tq*4 + {0..3} and 16 + tq*4 + {0..3}
+// (row gid+8 likewise). The accumulator gives this thread keys tq*2 + {0,1} and 8 + tq*2 + {0,1}
+// of each 16-key half instead. Rather than shuffling bytes between threads, the V^T operand is
+// stored with its keys permuted inside every 16-key group (see mx_prep.cuh, vt_pos_of_key), so
+// A column c of a 16-group IS key (c/4)*2 + (c&1) + ((c>>1)&1)*8, the key this thread holds.
+template <int BN>
+__device__ __forceinline__ void pack_p(const float* s, uint32_t (*pa)[4]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 32; ++kk) {
+    const float* c0 = s + (4 * kk + 0) * 4;
+    const float* c1 = s + (4 * kk + 1) * 4;
+    const float* c2 = s + (4 * kk + 2) * 4;
+    const float* c3 = s + (4 * kk + 3) * 4;
+    pa[kk][0] = pack_e4m3x4(c0[0], c0[1], c1[0], c1[1]);  // row gid,   A cols tq*4 + 0..3
+    pa[kk][1] = pack_e4m3x4(c0[2], c0[3], c1[2], c1[3]);  // row gid+8, A cols tq*4 + 0..3
+    pa[kk][2] = pack_e4m3x4(c2[0], c2[1], c3[0], c3[1]);  // row gid,   A cols 16 + tq*4 + 0..3
+    pa[kk][3] = pack_e4m3x4(c2[2], c2[3], c3[2], c3[3]);  // row gid+8, A cols 16 + tq*4 + 0..3
+  }
+}
+
+}  // namespace jax_fa4::sm90

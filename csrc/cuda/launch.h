@@ -1,0 +1,48 @@
+// Host-side entry points of the CUDA kernels (no XLA types): each fills the kernel parameters,
+// picks the tile configuration, launches on `stream` and returns the launch's cudaError_t.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace jax_fa4::cuda {
+
+enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// x viewed as [outer, L, inner], blocks of 32 along L. data: same shape (e4m3 bytes);
+// scale: [outer, ceil(L/32), inner] (e8m0 bytes).
+cudaError_t launch_quantize_mx(const void* x, FloatType type, uint8_t* data, uint8_t* scale, int64_t outer, int L,
+                               int inner, cudaStream_t stream);
+
+// Q/K row requantisation. x: [B, L, NH, HD] e4m3 (+ xs [B, L, NH, HD/32] e8m0) or floats
+// (float_type >= 0, xs == nullptr). out: [B, L, NH, HD] e4m3; rs: [B, NH, L_pad] fp32.
+cudaError_t launch_prep_rows(const void* x, int float_type /* -1: MX input */, const uint8_t* xs, uint8_t* out,
+                             float* rs, int B, int L, int NH, int HD, int L_pad, cudaStream_t stream);
+
+// V: [B, S, Kh, HD] e4m3 + vscale [B, ceil(S/32), Kh, HD] -> vt [B, Kh, HD, S_pad], vs [B, Kh, HD].
+cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t* kv_len, uint8_t* vt, float* vs,
+                          int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream);
+
+struct FwdArgs {
+  int B, T, S, N, Kh, H, S_pad;
+  const uint8_t* q8;     // [B, T, N, H]
+  const float* qs;       // [B, N, T]
+  const uint8_t* k8;     // [B, S, Kh, H]
+  const float* ks;       // [B, Kh, S_pad]
+  const uint8_t* vt;     // [B, Kh, H, S_pad]
+  const float* vs;       // [B, Kh, H]
+  const int32_t* q_len;  // [B]
+  const int32_t* kv_len; // [B]
+  void* o;               // [B, T, N, H]
+  FloatType out_type;
+  float* lse;            // [B, T, N]
+  float scale;
+  bool causal;
+  int64_t window_left, window_right;  // -1: unbounded
+};
+// Returns cudaErrorInvalidValue for shapes the kernel does not serve (checked in Python first).
+cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream);
+
+// The smem padding unit of V^T and of the key scales (tile_config.cuh kSeqPad).
+constexpr int kSeqPad = 128;
+
+}  // namespace jax_fa4::cuda

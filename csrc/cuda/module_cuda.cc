@@ -1,0 +1,34 @@
+// nanobind module `_jax_fa4_cuda`: hands the FFI handler symbols to Python as capsules, which
+// jax_fa4/_cuda_ops.py registers with jax.ffi.register_ffi_target(..., platform="CUDA").
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* JaxFa4CudaQuantize(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaPrepRowsMx(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaPrepRowsFloat(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaPrepV(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaFwd(XLA_FFI_CallFrame*);
+}
+
+namespace {
+template <typename F>
+nb::capsule capsule(F* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_jax_fa4_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_fa4_cuda_quantize"] = capsule(JaxFa4CudaQuantize);
+    d["jax_fa4_cuda_prep_rows_mx"] = capsule(JaxFa4CudaPrepRowsMx);
+    d["jax_fa4_cuda_prep_rows_float"] = capsule(JaxFa4CudaPrepRowsFloat);
+    d["jax_fa4_cuda_prep_v"] = capsule(JaxFa4CudaPrepV);
+    d["jax_fa4_cuda_fwd"] = capsule(JaxFa4CudaFwd);
+    return d;
+  });
+}

@@ -1,0 +1,309 @@
+// Input-preparation kernels of the sm_90a forward (memory-bound; no XLA types here).
+//
+// Hopper's fp8 wgmma has no block-scale operands, so the MX tensors are re-expressed on scales the
+// forward can fold away (NUMERICS.md section 4, HOPPER_KERNELS.md section 2):
+//   Q, K: each row (one (b, t, head) vector of H elements) on ONE power-of-two scale, the largest of
+//         its H/32 block scales. Requantising e4m3 * 2^blk to e4m3 * 2^row (row >= blk) multiplies
+//         by 2^-(row - blk): exact unless the element underflows e4m3's range.
+//   V:    transposed to [B, K, H, S_pad] (S contiguous: the PV wgmma wants V K-major and fp8 wgmma
+//         cannot transpose) on one scale per head-dim column over the valid keys of the sequence;
+//         keys past kv_len and the padding to S_pad are exact zeros; keys are permuted inside each
+//         16-key group (vt_pos_of_key) to match the register layout of P (fwd_sm90_softmax.cuh).
+// quantize_mx_kernel is the float -> MX quantizer, bit-exact with jax_fa4.mx.quantize.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "cuda/sm90_ptx.cuh"
+
+namespace jax_fa4::prep {
+
+using jax_fa4::sm90::cvt_e4m3x2;
+using jax_fa4::sm90::e4m3x2_to_float2;
+
+// e8m0 byte -> fp32 2^(byte-127): 0 -> 2^-127 (an fp32 subnormal), 255 -> NaN.
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+  if (byte == 255u) return __int_as_float(0x7fc00000);
+  if (byte == 0u) return __int_as_float(0x00400000);
+  return __int_as_float(byte << 23);
+}
+
+// The scale byte of a block with absolute maximum amax (NUMERICS.md section 1, jax_fa4/mx.py):
+// v = amax * fp32(1/448); byte = biased exponent of v, +1 if its mantissa is non-zero, <= 254;
+// NaN -> 255. XLA flushes fp32 subnormals, so a subnormal v counts as 0 here too (byte 0).
+__device__ __forceinline__ uint32_t scale_byte_from_amax(float amax) {
+  if (amax != amax) return 255u;
+  const float v = __fmul_rn(amax, 1.0f / 448.0f);
+  const uint32_t bits = __float_as_uint(v);
+  const uint32_t exp = (bits >> 23) & 0xffu;
+  if (exp == 0u) return 0u;
+  const uint32_t byte = exp + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+  return byte > 254u ? 254u : byte;
+}
+
+// x * 2^(127 - byte) exactly as mx.py does it: two normal power-of-two factors (floor split).
+__device__ __forceinline__ float scale_down(float x, uint32_t byte) {
+  const int e = 127 - (int)byte;                     // in [-127, 127]
+  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2)
+  const int e2 = e - e1;
+  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e2));
+}
+
+// Requantises packed e4m3 bytes from scale 2^blk to 2^row (row >= blk): exact unless it underflows.
+__device__ __forceinline__ uint32_t requant4(uint32_t w, float factor) {
+  const float2 a = e4m3x2_to_float2((uint16_t)(w & 0xffffu));
+  const float2 b = e4m3x2_to_float2((uint16_t)(w >> 16));
+  return (uint32_t)cvt_e4m3x2(a.x * factor, a.y * factor) | ((uint32_t)cvt_e4m3x2(b.x * factor, b.y * factor) << 16);
+}
+// 2^-(row - blk); a shift over 30 sends every e4m3 (|x| <= 448 < 2^9) below 2^-21: it rounds to +-0.
+__device__ __forceinline__ float requant_factor(uint32_t row_byte, uint32_t blk_byte) {
+  int sh = (int)row_byte - (int)blk_byte;
+  sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
+  return jax_fa4::sm90::pow2i(-sh);
+}
+
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+// Quantizes 32 floats (one MX block) with the block's byte; writes 32 e4m3 bytes as 8 words.
+__device__ __forceinline__ void quantize_block32(const float* x, uint32_t byte, uint32_t* out) {
+  if (byte == 255u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = 0x7f7f7f7fu;  // NaN scale: NaN elements
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = scale_down(x[4 * i + 0], byte), b = scale_down(x[4 * i + 1], byte);
+    const float c = scale_down(x[4 * i + 2], byte), d = scale_down(x[4 * i + 3], byte);
+    out[i] = (uint32_t)cvt_e4m3x2(a, b) | ((uint32_t)cvt_e4m3x2(c, d) << 16);
+  }
+}
+
+__device__ __forceinline__ float block_amax(const float* x, int n_valid) {
+  float amax = 0.f;
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const float v = i < n_valid ? x[i] : 0.f;
+    nan |= (v != v);
+    amax = fmaxf(amax, fabsf(v));
+  }
+  return nan ? __int_as_float(0x7fc00000) : amax;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float -> MX along the middle axis of x viewed as [outer, L, inner]. One thread per block.
+template <typename T>
+__global__ void quantize_mx_kernel(const T* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scale,
+                                   int64_t outer, int L, int inner) {
+  const int nblk = (L + 31) / 32;
+  const int64_t total = outer * nblk * (int64_t)inner;
+  const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int i = (int)(idx % inner);
+  const int64_t ob = idx / inner;
+  const int blk = (int)(ob % nblk);
+  const int64_t o = ob / nblk;
+  const int l0 = blk * 32;
+  const int nv = min(32, L - l0);
+  const int64_t base = (o * L + l0) * (int64_t)inner + i;
+  float v[32];
+  if (inner == 1) {
+    // Contiguous block: 16-byte loads where the alignment allows (the usual last-axis case).
+    const T* src = x + base;
+    if (nv == 32 && (reinterpret_cast<uintptr_t>(src) % 16) == 0) {
+      constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+      for (int c = 0; c < 32 / kPer; ++c) {
+        const uint4 w = reinterpret_cast<const uint4*>(src)[c];
+        const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) v[c * kPer + k] = to_f32(e[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) v[k] = k < nv ? to_f32(src[k]) : 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) v[k] = k < nv ? to_f32(x[base + (int64_t)k * inner]) : 0.f;
+  }
+  const uint32_t byte = scale_byte_from_amax(block_amax(v, nv));
+  uint32_t q[8];
+  quantize_block32(v, byte, q);
+  scale[idx] = (uint8_t)byte;
+  if (inner == 1 && nv == 32 && ((reinterpret_cast<uintptr_t>(data + base)) % 16) == 0) {
+    reinterpret_cast<uint4*>(data + base)[0] = make_uint4(q[0], q[1], q[2], q[3]);
+    reinterpret_cast<uint4*>(data + base)[1] = make_uint4(q[4], q[5], q[6], q[7]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 32; ++k)  // unrolled: a run-time index would put q[] in local memory
+      if (k < nv) data[base + (int64_t)k * inner] = (uint8_t)(q[k / 4] >> (8 * (k % 4)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q / K rows: [B, L, NH, HD] (MX blocks along HD) -> same layout on one scale per row, row scales
+// to rs[B, NH, L_pad] (fp32 2^e; 0 for the padding l in [L, L_pad)). One thread per 32-element
+// block; the G = HD/32 threads of a row are adjacent lanes and reduce the row's max byte by shuffles.
+// kFloatIn: x holds floats that are first quantized to MX exactly as quantize_mx_kernel does, so
+// prep(float x) == prep(quantize(x)) bit for bit.
+template <int HD, typename T, bool kFloatIn>
+__global__ void prep_rows_kernel(const T* __restrict__ x, const uint8_t* __restrict__ xs, uint8_t* __restrict__ out,
+                                 float* __restrict__ rs, int B, int L, int NH, int L_pad) {
+  constexpr int G = HD / 32;
+  static_assert(G == 2 || G == 4 || G == 8, "HD must be 64, 128 or 256");
+  const int64_t total = (int64_t)B * L_pad * NH * G;
+  const int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  const bool in_range = idx < total;
+  const int64_t id = in_range ? idx : 0;
+  const int g = (int)(id % G);
+  const int64_t row = id / G;  // over [B, L_pad, NH]
+  const int h = (int)(row % NH);
+  const int l = (int)((row / NH) % L_pad);
+  const int b = (int)(row / ((int64_t)NH * L_pad));
+  const bool live = in_range && l < L;
+  const int64_t drow = ((int64_t)b * L + (live ? l : 0)) * NH + h;  // row index into x/out
+  const int64_t eoff = drow * HD + g * 32;                           // first element of this block
+
+  uint32_t w[8];
+  uint32_t blk = 0;
+  if (live) {
+    if constexpr (kFloatIn) {
+      float v[32];
+      constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+      for (int c = 0; c < 32 / kPer; ++c) {
+        const uint4 u = reinterpret_cast<const uint4*>(x + eoff)[c];
+        const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) v[c * kPer + k] = to_f32(e[k]);
+      }
+      blk = scale_byte_from_amax(block_amax(v, 32));
+      quantize_block32(v, blk, w);
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(x) + eoff);
+      const uint4 u0 = src[0], u1 = src[1];
+      w[0] = u0.x; w[1] = u0.y; w[2] = u0.z; w[3] = u0.w;
+      w[4] = u1.x; w[5] = u1.y; w[6] = u1.z; w[7] = u1.w;
+      blk = xs[drow * G + g];
+    }
+  }
+  uint32_t rowb = blk;
+#pragma unroll
+  for (int off = 1; off < G; off <<= 1) rowb = max(rowb, __shfl_xor_sync(0xffffffffu, rowb, off));
+  if (!in_range) return;
+  if (g == 0) rs[((int64_t)b * NH + h) * L_pad + l] = live ? e8m0_to_float(rowb) : 0.f;
+  if (!live) return;
+  uint32_t r[8];
+  if (rowb == 255u) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = 0x7f7f7f7fu;
+  } else {
+    const float f = requant_factor(rowb, blk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = (f == 1.f) ? w[i] : requant4(w[i], f);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(out + eoff);
+  dst[0] = make_uint4(r[0], r[1], r[2], r[3]);
+  dst[1] = make_uint4(r[4], r[5], r[6], r[7]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// V, pass 1: per (b, kh, d) the largest block scale over the blocks holding valid keys.
+// vscale: [B, nblk, Kh, HD] bytes. Writes vs[B, Kh, HD] = 2^(max - 127) (fp32).
+// Block (32, 8): 32 adjacent columns (coalesced), 8 warps striding over the scale blocks.
+__global__ void prep_v_colscale_kernel(const uint8_t* __restrict__ vscale, const int32_t* __restrict__ kv_len,
+                                       float* __restrict__ vs, int S, int Kh, int HD) {
+  __shared__ uint32_t red[8][32];
+  const int d = blockIdx.x * 32 + threadIdx.x;
+  const int kh = blockIdx.y, b = blockIdx.z;
+  const int nblk = (S + 31) / 32;
+  const int len = min(max(kv_len[b], 0), S);
+  const int nvalid = (len + 31) / 32;
+  uint32_t m = 0;
+  if (d < HD) {
+    for (int sb = threadIdx.y; sb < nvalid; sb += 8)
+      m = max(m, (uint32_t)vscale[(((int64_t)b * nblk + sb) * Kh + kh) * HD + d]);
+  }
+  red[threadIdx.y][threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.y == 0 && d < HD) {
+#pragma unroll
+    for (int w = 1; w < 8; ++w) m = max(m, red[w][threadIdx.x]);
+    vs[((int64_t)b * Kh + kh) * HD + d] = e8m0_to_float(m);
+  }
+}
+
+// Stored position of key k (0..15) inside its 16-key group of V^T. Inverse of the map the P
+// registers imply (fwd_sm90_softmax.cuh pack_p): A column c holds key (c/4)*2 + (c&1) + ((c>>1)&1)*8.
+__device__ __forceinline__ int vt_pos_of_key(int k) { return ((k & 7) >> 1) * 4 + (k >> 3) * 2 + (k & 1); }
+
+// V, pass 2: [B, S, Kh, HD] e4m3 (blocks along S) -> vt[B, Kh, HD, S_pad] on the column scales.
+// Tile of 64 keys x 64 columns through shared memory; grid (S_pad/64, HD/64 * Kh, B), 256 threads.
+constexpr int kVtTile = 64;
+constexpr int kVtPitch = kVtTile + 16;  // 16-byte aligned rows for the vector reads of pass 2b
+__global__ void prep_v_transpose_kernel(const uint8_t* __restrict__ v, const uint8_t* __restrict__ vscale,
+                                        const float* __restrict__ vs, const int32_t* __restrict__ kv_len,
+                                        uint8_t* __restrict__ vt, int S, int Kh, int HD, int S_pad) {
+  __shared__ __align__(16) uint8_t tile[kVtTile][kVtPitch];
+  const int s0 = blockIdx.x * kVtTile;
+  const int dtiles = HD / kVtTile;
+  const int d_tile = blockIdx.y % dtiles, kh = blockIdx.y / dtiles;
+  const int b = blockIdx.z;
+  const int nblk = (S + 31) / 32;
+  const int len = min(max(kv_len[b], 0), S);
+  const int t = threadIdx.x;
+  {
+    const int key = t / 4, dch = t % 4;
+    const int s = s0 + key;
+    const int d0 = d_tile * kVtTile + dch * 16;
+    uint32_t outw[4] = {0u, 0u, 0u, 0u};
+    if (s < len) {
+      const uint4 e = *reinterpret_cast<const uint4*>(v + (((int64_t)b * S + s) * Kh + kh) * HD + d0);
+      const uint4 bs = *reinterpret_cast<const uint4*>(vscale + (((int64_t)b * nblk + s / 32) * Kh + kh) * HD + d0);
+      const float* vsr = vs + ((int64_t)b * Kh + kh) * HD + d0;
+      const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
+      const uint32_t bw[4] = {bs.x, bs.y, bs.z, bs.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 cs = *reinterpret_cast<const float4*>(vsr + 4 * q);
+        const float csa[4] = {cs.x, cs.y, cs.z, cs.w};
+        uint32_t res = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          // The column's byte is its fp32 exponent field (also right for 2^-127 and NaN).
+          const uint32_t colb = (__float_as_uint(csa[k]) >> 23) & 0xffu;
+          const uint32_t blkb = (bw[q] >> (8 * k)) & 0xffu;
+          const uint32_t byte = (ew[q] >> (8 * k)) & 0xffu;
+          uint32_t r;
+          if (colb == 255u) {
+            r = 0x7fu;
+          } else {
+            const float2 f = e4m3x2_to_float2((uint16_t)byte);
+            r = cvt_e4m3x2(f.x * requant_factor(colb, blkb), 0.f) & 0xffu;
+          }
+          res |= r << (8 * k);
+        }
+        outw[q] = res;
+      }
+    }
+    const int pos = (key & ~15) + vt_pos_of_key(key & 15);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) tile[dch * 16 + q * 4 + k][pos] = (uint8_t)(outw[q] >> (8 * k));
+  }
+  __syncthreads();
+  {
+    const int row = t / 4, ch = t % 4;
+    const uint4 val = *reinterpret_cast<const uint4*>(&tile[row][ch * 16]);
+    const int d = d_tile * kVtTile + row;
+    *reinterpret_cast<uint4*>(vt + (((int64_t)b * Kh + kh) * HD + d) * S_pad + s0 + ch * 16) = val;
+  }
+}
+
+}  // namespace jax_fa4::prep

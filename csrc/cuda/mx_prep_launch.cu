@@ -1,0 +1,91 @@
+// Launchers of the preparation kernels (mx_prep.cuh).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include "cuda/launch.h"
+#include "cuda/mx_prep.cuh"
+
+namespace jax_fa4::cuda {
+
+namespace {
+constexpr int kThreadsPerBlock = 256;
+inline unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreadsPerBlock - 1) / kThreadsPerBlock); }
+}  // namespace
+
+cudaError_t launch_quantize_mx(const void* x, FloatType type, uint8_t* data, uint8_t* scale, int64_t outer, int L,
+                               int inner, cudaStream_t stream) {
+  const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
+  if (total == 0) return cudaSuccess;
+  if (blocks_for(total) > 0x7fffffffu) return cudaErrorInvalidValue;
+  switch (type) {
+    case FloatType::kF32:
+      prep::quantize_mx_kernel<float><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const float*>(x), data, scale, outer, L, inner);
+      break;
+    case FloatType::kBF16:
+      prep::quantize_mx_kernel<__nv_bfloat16><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), data, scale, outer, L, inner);
+      break;
+    case FloatType::kF16:
+      prep::quantize_mx_kernel<__half><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __half*>(x), data, scale, outer, L, inner);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <int HD>
+static cudaError_t prep_rows_hd(const void* x, int float_type, const uint8_t* xs, uint8_t* out, float* rs, int B,
+                                int L, int NH, int L_pad, cudaStream_t stream) {
+  const int64_t total = (int64_t)B * L_pad * NH * (HD / 32);
+  if (total == 0) return cudaSuccess;
+  const unsigned grid = blocks_for(total);
+  switch (float_type) {
+    case -1:
+      prep::prep_rows_kernel<HD, uint8_t, false><<<grid, kThreadsPerBlock, 0, stream>>>(
+          static_cast<const uint8_t*>(x), xs, out, rs, B, L, NH, L_pad);
+      break;
+    case (int)FloatType::kF32:
+      prep::prep_rows_kernel<HD, float, true><<<grid, kThreadsPerBlock, 0, stream>>>(
+          static_cast<const float*>(x), nullptr, out, rs, B, L, NH, L_pad);
+      break;
+    case (int)FloatType::kBF16:
+      prep::prep_rows_kernel<HD, __nv_bfloat16, true><<<grid, kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), nullptr, out, rs, B, L, NH, L_pad);
+      break;
+    case (int)FloatType::kF16:
+      prep::prep_rows_kernel<HD, __half, true><<<grid, kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __half*>(x), nullptr, out, rs, B, L, NH, L_pad);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_prep_rows(const void* x, int float_type, const uint8_t* xs, uint8_t* out, float* rs, int B, int L,
+                             int NH, int HD, int L_pad, cudaStream_t stream) {
+  switch (HD) {
+    case 64: return prep_rows_hd<64>(x, float_type, xs, out, rs, B, L, NH, L_pad, stream);
+    case 128: return prep_rows_hd<128>(x, float_type, xs, out, rs, B, L, NH, L_pad, stream);
+    case 256: return prep_rows_hd<256>(x, float_type, xs, out, rs, B, L, NH, L_pad, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t* kv_len, uint8_t* vt, float* vs,
+                          int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream) {
+  if (HD % prep::kVtTile != 0 || S_pad % prep::kVtTile != 0) return cudaErrorInvalidValue;
+  if (B == 0 || Kh == 0) return cudaSuccess;
+  dim3 g1((HD + 31) / 32, Kh, B), b1(32, 8);
+  prep::prep_v_colscale_kernel<<<g1, b1, 0, stream>>>(vscale, kv_len, vs, S, Kh, HD);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (S_pad == 0) return cudaSuccess;
+  dim3 g2(S_pad / prep::kVtTile, (HD / prep::kVtTile) * Kh, B);
+  prep::prep_v_transpose_kernel<<<g2, 256, 0, stream>>>(v, vscale, vs, kv_len, vt, S, Kh, HD, S_pad);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_fa4::cuda

@@ -1,0 +1,287 @@
+"""Python side of the Hopper (sm_90a) CUDA kernels: FFI registration and the jnp-facing calls.
+
+The forward pass is four FFI calls (so XLA owns every intermediate buffer):
+  1. ``prep_rows`` on Q and on K: each row of H elements re-expressed on ONE power-of-two scale (the
+     largest of its block scales; exact unless an element underflows), row scales as fp32;
+  2. ``prep_v``: V transposed to [B, K, H, S_pad] (S contiguous, keys permuted inside 16-key groups
+     to match the kernel's P registers) on one scale per head-dim column over the valid keys;
+  3. ``fwd``: the FA3-style warp-specialised FP8 wgmma kernel.
+From float inputs, Q and K are quantized inside ``prep_rows`` (one pass) and V goes through the MX
+quantizer first; the result is bit-identical to ``forward_mx`` on ``jax_fa4.mx.quantize``'d inputs.
+
+Every call works under ``jax.jit`` and ``jax.vmap``: the handlers fold any leading dims into the batch
+and the ffi_calls use ``vmap_method="broadcast_all"``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import mx
+
+HEAD_DIMS = (64, 128, 256)
+SEQ_PAD = 128  # V^T rows and the key scales are padded to this (csrc/cuda/tile_config.cuh kSeqPad)
+OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MAX_GRID_YZ = 65535  # the kernel's grid is (T/128, N, B): gridDim.y/z limits
+
+_T_QUANTIZE = "jax_fa4_cuda_quantize"
+_T_PREP_ROWS_MX = "jax_fa4_cuda_prep_rows_mx"
+_T_PREP_ROWS_FLOAT = "jax_fa4_cuda_prep_rows_float"
+_T_PREP_V = "jax_fa4_cuda_prep_v"
+_T_FWD = "jax_fa4_cuda_fwd"
+
+
+def _ext():
+  from jax_fa4 import _jax_fa4_cuda  # built only with JAX_FA4_CUDA (CMake)
+  return _jax_fa4_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def _register() -> bool:
+  for name, capsule in _ext().registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  return True
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+  """True if the extension imports and jax's default backend is a compute-capability-9.0 GPU."""
+  try:
+    _ext()
+  except ImportError:
+    return False
+  try:
+    if jax.default_backend() != "gpu":
+      return False
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  if str(getattr(dev, "compute_capability", "")) != "9.0":
+    return False
+  _register()
+  return True
+
+
+def _ensure():
+  if not available():
+    raise RuntimeError("jax_fa4 CUDA kernels are not available: they need the _jax_fa4_cuda extension "
+                       "(JAX_FA4_CUDA=ON build) and a compute-capability 9.0 (Hopper) GPU backend")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+def _norm_window(window):
+  """(left, right) with -1 for unbounded, or raises ValueError naming `window`."""
+  if window is None:
+    return -1, -1
+  try:
+    left, right = window
+  except (TypeError, ValueError):
+    raise ValueError(f"window={window!r} must be None or a pair (left, right)") from None
+  out = []
+  for side, w in (("left", left), ("right", right)):
+    if w is None:
+      out.append(-1)
+      continue
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
+      raise ValueError(f"window={window!r}: {side} bound {w!r} must be None or an int >= 0")
+    out.append(int(w))
+  return tuple(out)
+
+
+def unsupported_reason(q_shape, k_shape, dtype=None, head_dim=None, window=None, *, v_shape=None,
+                       out_dtype=None, has_bias=False, has_mask=False) -> Optional[str]:
+  """None if the kernels serve this call, else a sentence saying what they can't do.
+
+  q_shape [B, T, N, H], k_shape [B, S, K, H]; dtype: the input dtype (float8_e4m3fn for MX inputs,
+  or bfloat16/float16/float32 for forward_float); head_dim defaults to q_shape[-1].
+  """
+  if has_bias:
+    return "a dense bias is not supported by the CUDA kernels"
+  if has_mask:
+    return "a dense mask is not supported by the CUDA kernels"
+  q_shape, k_shape = tuple(q_shape), tuple(k_shape)
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    return f"q_shape={q_shape} and k_shape={k_shape} must both be rank 4 ([B, T, N, H], [B, S, K, H])"
+  B, T, N, H = q_shape
+  Bk, S, K, Hk = k_shape
+  if head_dim is not None and head_dim != H:
+    return f"head_dim={head_dim} does not match q_shape[-1]={H}"
+  if H not in HEAD_DIMS:
+    return f"head_dim={H} is not supported (the sm_90a kernel supports {HEAD_DIMS})"
+  if Hk != H or Bk != B:
+    return f"k_shape={k_shape} does not match q_shape={q_shape} in batch or head dim"
+  if v_shape is not None and tuple(v_shape) != k_shape:
+    return f"v_shape={tuple(v_shape)} must equal k_shape={k_shape}"
+  if K <= 0 or N % K != 0:
+    return f"query heads N={N} must be a positive multiple of kv heads K={K}"
+  if N > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
+    return f"N={N} and B={B} must be <= {_MAX_GRID_YZ} (grid limits)"
+  if T >= 2**31 or S >= 2**31 - SEQ_PAD:
+    return f"T={T} and S={S} must fit int32"
+  if dtype is not None:
+    dt = jnp.dtype(dtype)
+    if dt != jnp.dtype(mx.E4M3) and dt not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+      return f"dtype={dt} must be float8_e4m3fn (MX) or one of bfloat16, float16, float32"
+  if out_dtype is not None and jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in OUT_DTYPES]:
+    return f"out_dtype={jnp.dtype(out_dtype)} must be bfloat16, float16 or float32"
+  try:
+    _norm_window(window)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def _check_lengths(name, x, B):
+  x = jnp.asarray(x)
+  if x.shape != (B,):
+    raise ValueError(f"{name}.shape={x.shape} must be ({B},)")
+  if x.dtype != jnp.int32:
+    raise ValueError(f"{name}.dtype={x.dtype} must be int32")
+  return x
+
+
+def _check_common(q_shape, k_shape, v_shape, dtype, window, out_dtype, scale):
+  reason = unsupported_reason(q_shape, k_shape, dtype, None, window, v_shape=v_shape, out_dtype=out_dtype)
+  if reason is not None:
+    if "not supported" in reason:
+      raise NotImplementedError(reason)
+    raise ValueError(reason)
+  if not isinstance(scale, (float, int, np.floating, np.integer)) or not math.isfinite(float(scale)):
+    raise ValueError(f"scale={scale!r} must be a finite Python float")
+
+
+# ---------------------------------------------------------------------------------------------
+# FFI calls
+
+def _s_pad(S):
+  return max(SEQ_PAD, -(-S // SEQ_PAD) * SEQ_PAD)
+
+
+def _prep_rows_mx(x: mx.MXArray, l_pad: int):
+  B, L, NH, HD = x.data.shape
+  out = (jax.ShapeDtypeStruct((B, L, NH, HD), mx.E4M3), jax.ShapeDtypeStruct((B, NH, l_pad), jnp.float32))
+  return jax.ffi.ffi_call(_T_PREP_ROWS_MX, out, vmap_method="broadcast_all")(x.data, mx.e8m0_to_bytes(x.scale))
+
+
+def _prep_rows_float(x, l_pad: int):
+  B, L, NH, HD = x.shape
+  out = (jax.ShapeDtypeStruct((B, L, NH, HD), mx.E4M3), jax.ShapeDtypeStruct((B, NH, l_pad), jnp.float32))
+  return jax.ffi.ffi_call(_T_PREP_ROWS_FLOAT, out, vmap_method="broadcast_all")(x)
+
+
+def _prep_v(v: mx.MXArray, kv_len, s_pad: int):
+  B, S, K, H = v.data.shape
+  out = (jax.ShapeDtypeStruct((B, K, H, s_pad), mx.E4M3), jax.ShapeDtypeStruct((B, K, H), jnp.float32))
+  return jax.ffi.ffi_call(_T_PREP_V, out, vmap_method="broadcast_all")(v.data, mx.e8m0_to_bytes(v.scale), kv_len)
+
+
+def _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, *, scale, is_causal, window, out_dtype):
+  B, T, N, H = q8.shape
+  left, right = _norm_window(window)
+  out = (jax.ShapeDtypeStruct((B, T, N, H), out_dtype), jax.ShapeDtypeStruct((B, T, N), jnp.float32))
+  return jax.ffi.ffi_call(_T_FWD, out, vmap_method="broadcast_all")(
+      q8, qs, k8, ks, vt, vs, q_len, kv_len, scale=np.float32(scale), causal=np.int64(bool(is_causal)),
+      window_left=np.int64(left), window_right=np.int64(right))
+
+
+def _empty_result(B, T, N, H, out_dtype):
+  return jnp.zeros((B, T, N, H), out_dtype), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+def quantize(x, axis: int = -1) -> mx.MXArray:
+  """Float -> MXFP8 along ``axis`` on the GPU; bit-exact with :func:`jax_fa4.mx.quantize`."""
+  x = jnp.asarray(x)
+  if x.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    raise ValueError(f"x.dtype={x.dtype} must be bfloat16, float16 or float32")
+  if x.ndim == 0:
+    raise ValueError(f"x.shape={x.shape} must have at least one axis to block along")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis={axis} is out of range for an array of rank {x.ndim}")
+  axis = axis % x.ndim
+  _ensure()
+  shape = x.shape
+  if x.size == 0:
+    return mx.quantize(x, axis)
+  outer = int(np.prod(shape[:axis], dtype=np.int64))
+  L = shape[axis]
+  inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+  nblk = -(-L // mx.BLOCK)
+  out = (jax.ShapeDtypeStruct((outer, L, inner), mx.E4M3), jax.ShapeDtypeStruct((outer, nblk, inner), jnp.uint8))
+  data, sb = jax.ffi.ffi_call(_T_QUANTIZE, out, vmap_method="broadcast_all")(x.reshape(outer, L, inner))
+  return mx.MXArray(data=data.reshape(shape), scale=mx.e8m0_from_bytes(sb.reshape(mx.scale_shape(shape, axis))),
+                    axis=axis)
+
+
+def forward_mx(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, q_seqlen, kv_seqlen, *, scale: float,
+               is_causal: bool = False, window=None, out_dtype=jnp.bfloat16):
+  """MXFP8 attention forward on Hopper: ``(o [B,T,N,H] out_dtype, lse [B,T,N] float32)``.
+
+  q, k: MXArray blocked along H (axis 3); v: MXArray blocked along S (axis 1); q_seqlen,
+  kv_seqlen: int32 [B]. window: None or (left, right), each None (unbounded) or an int >= 0.
+  """
+  for name, x, ax in (("q", q, 3), ("k", k, 3), ("v", v, 1)):
+    if not isinstance(x, mx.MXArray):
+      raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 4")
+    if x.axis != ax:
+      raise ValueError(f"{name}.axis={x.axis} must be {ax} ({name} is blocked along "
+                       f"{'H' if ax == 3 else 'S'})")
+    x.validate(name)
+  _check_common(q.shape, k.shape, v.shape, mx.E4M3, window, out_dtype, scale)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  q_len = _check_lengths("q_seqlen", q_seqlen, B)
+  kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
+  _ensure()
+  if T == 0 or S == 0 or B == 0:
+    return _empty_result(B, T, N, H, out_dtype)
+  s_pad = _s_pad(S)
+  q8, qs = _prep_rows_mx(q, T)
+  k8, ks = _prep_rows_mx(k, s_pad)
+  vt, vs = _prep_v(v, kv_len, s_pad)
+  return _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, scale=scale, is_causal=is_causal, window=window,
+              out_dtype=out_dtype)
+
+
+def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
+                  out_dtype=jnp.bfloat16):
+  """As :func:`forward_mx` from bf16/f16/f32 inputs q [B,T,N,H], k, v [B,S,K,H].
+
+  Bit-identical to ``forward_mx(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1), ...)``:
+  Q and K are quantized inside the row-prep kernel, V by the GPU MX quantizer.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name}.shape={x.shape} must be rank 4")
+    if x.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+      raise ValueError(f"{name}.dtype={x.dtype} must be bfloat16, float16 or float32")
+  _check_common(q.shape, k.shape, v.shape, q.dtype, window, out_dtype, scale)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  q_len = _check_lengths("q_seqlen", q_seqlen, B)
+  kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
+  _ensure()
+  if T == 0 or S == 0 or B == 0:
+    return _empty_result(B, T, N, H, out_dtype)
+  s_pad = _s_pad(S)
+  q8, qs = _prep_rows_float(q, T)
+  k8, ks = _prep_rows_float(k, s_pad)
+  vt, vs = _prep_v(quantize(v, 1), kv_len, s_pad)
+  return _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, scale=scale, is_causal=is_causal, window=window,
+              out_dtype=out_dtype)
+
+
+__all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "quantize"]

@@ -1,0 +1,340 @@
+"""The Hopper (sm_90a) CUDA forward kernels against the accuracy contract (NUMERICS.md section 4).
+
+Each case draws fresh random inputs (a new seed per run), runs the kernel, and checks:
+  * the contract for O and lse vs float64 truth, with the jnp recipe and bf16 attention as yardsticks;
+  * every output element finite where the truth is, rows past q_len exactly 0 with lse -inf;
+  * forward_float bit-identical to forward_mx on jax_fa4.mx.quantize'd inputs.
+The GPU quantizer must be bit-exact with jax_fa4.mx.quantize. Skipped where the kernels are not
+available (no extension or no compute-capability 9.0 GPU).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from contract import assert_contract, make_qkv, rel_err
+from jax_fa4 import mx, reference
+
+
+def _cuda_available():
+  try:
+    from jax_fa4 import _cuda_ops
+  except ImportError:
+    return False
+  return _cuda_ops.available()
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda_available(), reason="jax_fa4 CUDA kernels unavailable "
+                                 "(needs the _jax_fa4_cuda extension and a Hopper GPU)")]
+
+# A fresh seed per run (printed, so a failure can be replayed with JAX_FA4_TEST_SEED).
+_SEED = int(os.environ.get("JAX_FA4_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+print(f"test_cuda_forward seed: {_SEED}")
+
+
+def _ops():
+  from jax_fa4 import _cuda_ops
+  return _cuda_ops
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 truth through BLAS (the same function as reference.truth_forward, but fast enough for
+# S = 4096..16384: numpy's einsum there does not use BLAS).
+
+def _keep(B, T, S, is_causal, window, q_len, kv_len):
+  from jax_fa4.masks import positional_mask
+  return np.broadcast_to(positional_mask(T, S, is_causal=is_causal, window=window, q_seqlen=q_len,
+                                         kv_seqlen=kv_len, xp=np), (B, 1, T, S))
+
+
+def _truth64(qd, kd, vd, *, scale, is_causal, window, q_len, kv_len):
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (qd, kd, vd))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  keep = _keep(B, T, S, is_causal, window, q_len, kv_len)
+  o = np.zeros((B, T, N, H))
+  lse = np.full((B, T, N), -np.inf)
+  for b in range(B):
+    for n in range(N):
+      s = (q[b, :, n] @ k[b, :, n // G].T) * scale
+      s = np.where(keep[b, 0], s, -np.inf)
+      m = s.max(-1, keepdims=True)
+      m = np.where(np.isneginf(m), 0.0, m)
+      e = np.exp(s - m)
+      l = e.sum(-1, keepdims=True)
+      ok = l[:, 0] > 0
+      o[b, :, n] = np.where(ok[:, None], (e / np.where(l > 0, l, 1.0)) @ v[b, :, n // G], 0.0)
+      lse[b, :, n] = np.where(ok, m[:, 0] + np.log(np.where(ok, l[:, 0], 1.0)), -np.inf)
+  return o, lse
+
+
+def _bf16(x):
+  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _recipe(qm, km, vm, ql, kl, kw):
+  """The jnp recipe, evaluated on the CPU backend.
+
+  On the GPU backend XLA's default --xla_allow_excess_precision=true removes the
+  f32 -> e4m3 -> f32 round trip that rounds P, so the recipe silently skips P's rounding there
+  (seen on the H200: recipe O error 4e-7 instead of 2e-2 for normal inputs). The CPU backend
+  keeps the rounding, i.e. computes the recipe as NUMERICS.md defines it.
+  """
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    qc, kc, vc = jax.device_put((qm, km, vm), cpu)
+    o, lse = reference.mx_forward(qc, kc, vc, q_seqlen=jnp.asarray(ql), kv_seqlen=jnp.asarray(kl), **kw)
+    return np.asarray(o), np.asarray(lse)
+
+
+def test_truth64_matches_reference_truth():
+  q, k, v = make_qkv("normal", 2, 17, 40, 4, 2, 64, seed=_SEED)
+  ql = np.array([17, 9], np.int32)
+  kl = np.array([33, 40], np.int32)
+  kw = dict(scale=0.125, is_causal=True, window=(5, None), q_seqlen=ql, kv_seqlen=kl)
+  o1, l1 = reference.truth_forward(q, k, v, **kw)
+  o2, l2 = _truth64(q, k, v, scale=0.125, is_causal=True, window=(5, None), q_len=ql, kv_len=kl)
+  np.testing.assert_allclose(o2, o1, rtol=1e-10, atol=1e-12)
+  np.testing.assert_array_equal(np.isneginf(l1), np.isneginf(l2))
+  fin = np.isfinite(l1)
+  np.testing.assert_allclose(l2[fin], l1[fin], rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantizer: bit-exact with jax_fa4.mx.quantize.
+
+def _special(x, rng):
+  x = np.array(x, copy=True)
+  flat = x.reshape(-1)
+  n = flat.size
+  idx = rng.choice(n, size=min(n, 12), replace=False)
+  vals = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 1e-30, 6e4, -1e-8, 448.0, 464.0]
+  flat[idx] = np.array(vals[:len(idx)], np.float32)
+  return x
+
+
+@pytest.mark.parametrize("shape,axis,dtype", [
+    ((2, 70, 3, 64), 1, jnp.float32),
+    ((5, 96), -1, jnp.bfloat16),
+    ((2, 8, 4, 128), 3, jnp.float16),
+    ((33,), 0, jnp.float32),
+    ((3, 4, 7, 50), 1, jnp.bfloat16),
+])
+def test_quantize_bit_exact(shape, axis, dtype):
+  rng = np.random.default_rng(_SEED)
+  x = (rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, size=shape))).astype(np.float32)
+  x = jnp.asarray(_special(x, rng) if dtype == jnp.float32 else x, dtype)
+  got = _ops().quantize(x, axis)
+  want = mx.quantize(x, axis)
+  assert got.axis == want.axis
+  np.testing.assert_array_equal(np.asarray(mx.e8m0_to_bytes(got.scale)), np.asarray(mx.e8m0_to_bytes(want.scale)))
+  gd = np.asarray(jax.lax.bitcast_convert_type(got.data, jnp.uint8))
+  wd = np.asarray(jax.lax.bitcast_convert_type(want.data, jnp.uint8))
+  np.testing.assert_array_equal(gd, wd)
+
+
+def test_quantize_jit_and_vmap():
+  x = jnp.asarray(np.random.default_rng(_SEED).standard_normal((3, 4, 64, 2)), jnp.float32)
+  want = mx.quantize(x, 2)
+  got = jax.jit(lambda a: _ops().quantize(a, 2))(x)
+  np.testing.assert_array_equal(np.asarray(got.data, np.float32), np.asarray(want.data, np.float32))
+  gv = jax.vmap(lambda a: _ops().quantize(a, 1).data)(x)
+  np.testing.assert_array_equal(np.asarray(gv, np.float32), np.asarray(want.data, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The preparation kernels on their own (so a forward failure can be placed).
+
+def test_prep_rows_exact():
+  q, _, _ = make_qkv("token_outliers", 2, 50, 50, 3, 3, 128, seed=_SEED)
+  qm = mx.quantize(jnp.asarray(q), 3)
+  q8, qs = _ops()._prep_rows_mx(qm, 50)
+  val = np.asarray(q8, np.float32) * np.transpose(np.asarray(qs), (0, 2, 1))[..., None]
+  ref = np.asarray(qm.dequantize())
+  step = np.transpose(np.asarray(qs), (0, 2, 1))[..., None] * 2.0**-10  # half e4m3's subnormal step
+  assert np.all(np.abs(val - ref) <= step), np.max(np.abs(val - ref) / step)
+  q8f, qsf = _ops()._prep_rows_float(jnp.asarray(q), 50)
+  np.testing.assert_array_equal(np.asarray(q8f, np.float32), np.asarray(q8, np.float32))
+  np.testing.assert_array_equal(np.asarray(qsf), np.asarray(qs))
+
+
+def test_prep_v_layout():
+  B, S, K, H = 2, 200, 2, 64
+  _, _, v = make_qkv("token_outliers", B, 1, S, K, K, H, seed=_SEED)
+  vm = mx.quantize(jnp.asarray(v), 1)
+  kl = jnp.array([200, 77], jnp.int32)
+  vt, vs = _ops()._prep_v(vm, kl, 256)
+  vt = np.asarray(vt, np.float32)  # [B, K, H, 256], keys permuted in 16-groups
+  key = np.arange(256)
+  grp, r = key // 16, key % 16
+  pos = grp * 16 + ((r & 7) >> 1) * 4 + (r >> 3) * 2 + (r & 1)
+  vt_keys = vt[..., pos]  # back to key order
+  val = vt_keys * np.asarray(vs)[..., None]
+  ref = np.transpose(np.asarray(vm.dequantize()), (0, 2, 3, 1))  # [B, K, H, S]
+  for b in range(B):
+    L = int(kl[b])
+    step = np.asarray(vs)[b][..., None] * 2.0**-10
+    assert np.all(np.abs(val[b, ..., :L] - ref[b, ..., :L]) <= step)
+    assert np.all(val[b, ..., L:] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward against the contract.
+
+CASES = [
+    # B, T, S, N, K, H, causal, window, kind, (q_len, kv_len) or None
+    (1, 1, 1, 2, 2, 128, False, None, "normal", None),
+    (2, 31, 113, 4, 2, 64, False, None, "normal", None),
+    (1, 113, 31, 8, 1, 256, True, None, "normal", None),
+    (2, 1023, 1023, 4, 4, 128, True, None, "channel_outliers", None),
+    (1, 2048, 2048, 2, 1, 128, False, None, "token_outliers", None),
+    (1, 1024, 4096, 8, 1, 64, False, (128, 0), "normal", None),
+    (1, 512, 512, 2, 2, 256, False, (64, 64), "tiny", None),
+    (3, 300, 300, 4, 2, 128, True, None, "normal", ([300, 0, 17], [250, 300, 0])),
+    (2, 1024, 1024, 4, 2, 128, True, None, "token_outliers", None),
+    (2, 1024, 1024, 4, 2, 128, False, None, "tiny", None),
+    (1, 1024, 1024, 2, 2, 256, True, None, "channel_outliers", None),
+    (2, 777, 1500, 4, 1, 64, False, (None, 100), "channel_outliers", ([700, 777], [1500, 1200])),
+    (1, 256, 16384, 2, 1, 128, False, None, "normal", None),  # long S: fp8 accumulator drift
+]
+
+
+def _ids(c):
+  B, T, S, N, K, H, causal, window, kind, lens = c
+  return f"B{B}-T{T}-S{S}-N{N}-K{K}-H{H}-{'causal' if causal else 'full'}-w{window}-{kind}" + (
+      "-ragged" if lens else "")
+
+
+def _run_case(case, seed, out_dtype=jnp.float32):
+  B, T, S, N, K, H, causal, window, kind, lens = case
+  q, k, v = make_qkv(kind, B, T, S, N, K, H, seed=seed)
+  if lens is None:
+    ql, kl = np.full((B,), T, np.int32), np.full((B,), S, np.int32)
+  else:
+    ql, kl = np.asarray(lens[0], np.int32), np.asarray(lens[1], np.int32)
+  qm, km, vm = mx.quantize(jnp.asarray(q), 3), mx.quantize(jnp.asarray(k), 3), mx.quantize(jnp.asarray(v), 1)
+  scale = 1.0 / np.sqrt(H)
+  kw = dict(scale=scale, is_causal=causal, window=window)
+  o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), out_dtype=out_dtype, **kw)
+  o, lse = np.asarray(o.astype(jnp.float32)), np.asarray(lse)
+  o_rec, lse_rec = _recipe(qm, km, vm, ql, kl, kw)
+  qd, kd, vd = qm.dequantize(), km.dequantize(), vm.dequantize()
+  tkw = dict(scale=scale, is_causal=causal, window=window, q_len=ql, kv_len=kl)
+  o_t, lse_t = _truth64(qd, kd, vd, **tkw)
+  o_b, lse_b = _truth64(_bf16(qd), _bf16(kd), _bf16(vd), **tkw)
+  return dict(o=o, lse=lse, o_rec=np.asarray(o_rec), lse_rec=np.asarray(lse_rec), o_t=o_t, lse_t=lse_t,
+              o_b=o_b, lse_b=lse_b, ql=ql, kl=kl, qm=qm, km=km, vm=vm, q=q, k=k, v=v, kw=kw)
+
+
+_RESULTS = {}
+
+
+def _case_result(case):
+  """Runs a case once per session (the O, lse and structure tests share its outputs)."""
+  if case not in _RESULTS:
+    _RESULTS[case] = _run_case(case, _SEED + CASES.index(case))
+  return _RESULTS[case]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_rows_and_finiteness(case):
+  r = _case_result(case)
+  B = case[0]
+  # Rows past q_len: exactly 0 and -inf.
+  for b in range(B):
+    L = int(r["ql"][b])
+    assert np.all(r["o"][b, L:] == 0), f"batch {b}: rows >= q_len={L} not zero"
+    assert np.all(np.isneginf(r["lse"][b, L:])), f"batch {b}: lse rows >= q_len={L} not -inf"
+  # Every element finite where the truth is; -inf exactly where the truth is -inf.
+  assert np.all(np.isfinite(r["o"])), "non-finite O"
+  fin = np.isfinite(r["lse_t"])
+  assert np.all(np.isfinite(r["lse"][fin])) and np.all(np.isneginf(r["lse"][~fin])), "lse finiteness differs"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_contract_o(case):
+  r = _case_result(case)
+  e = assert_contract("O", r["o"], r["o_rec"], r["o_b"], r["o_t"])
+  print(f"\n{_ids(case)}: O err impl/recipe/bf16 = {e[0]:.4e}/{e[1]:.4e}/{e[2]:.4e} "
+        f"(impl/recipe {e[0] / max(e[1], 1e-30):.3f})")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_contract_lse(case):
+  r = _case_result(case)
+  e = assert_contract("lse", r["lse"], r["lse_rec"], r["lse_b"], r["lse_t"])
+  print(f"\n{_ids(case)}: lse err impl/recipe/bf16 = {e[0]:.3e}/{e[1]:.3e}/{e[2]:.3e}")
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[7], CASES[11]], ids=_ids)
+def test_forward_float_bit_identical(case):
+  r = _run_case(case, _SEED + 100)
+  for dt in (jnp.float32, jnp.bfloat16):
+    o1, l1 = _ops().forward_mx(r["qm"], r["km"], r["vm"], jnp.asarray(r["ql"]), jnp.asarray(r["kl"]),
+                               out_dtype=dt, **r["kw"])
+    o2, l2 = _ops().forward_float(jnp.asarray(r["q"]), jnp.asarray(r["k"]), jnp.asarray(r["v"]),
+                                  jnp.asarray(r["ql"]), jnp.asarray(r["kl"]), out_dtype=dt, **r["kw"])
+    assert o2.dtype == dt
+    np.testing.assert_array_equal(np.asarray(o1, np.float32), np.asarray(o2, np.float32))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+
+
+def test_forward_bf16_output_contract():
+  case = (2, 1024, 1024, 4, 2, 128, True, None, "normal", None)
+  r = _run_case(case, _SEED + 200, out_dtype=jnp.bfloat16)
+  assert_contract("O(bf16 out)", r["o"], r["o_rec"], r["o_b"], r["o_t"])
+
+
+def test_forward_jit_and_vmap():
+  B, T, S, N, K, H = 2, 200, 300, 4, 2, 128
+  rng = np.random.default_rng(_SEED + 300)
+  V = 3
+  q = jnp.asarray(rng.standard_normal((V, B, T, N, H)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((V, B, S, K, H)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((V, B, S, K, H)), jnp.bfloat16)
+  ql = jnp.array([200, 150], jnp.int32)
+  kl = jnp.array([300, 100], jnp.int32)
+  f = functools.partial(_ops().forward_float, scale=0.1, is_causal=True, window=None, out_dtype=jnp.float32)
+  eager = [f(q[i], k[i], v[i], ql, kl) for i in range(V)]
+  jitted = jax.jit(f)(q[0], k[0], v[0], ql, kl)
+  np.testing.assert_array_equal(np.asarray(jitted[0]), np.asarray(eager[0][0]))
+  vm = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, None, None)))(q, k, v, ql, kl)
+  for i in range(V):
+    np.testing.assert_array_equal(np.asarray(vm[0][i]), np.asarray(eager[i][0]))
+    np.testing.assert_array_equal(np.asarray(vm[1][i]), np.asarray(eager[i][1]))
+
+  # MX inputs under vmap: the MXArray is rebuilt inside the mapped function (its axis is static).
+  qm = mx.quantize(q.astype(jnp.float32), 4)
+  km = mx.quantize(k.astype(jnp.float32), 4)
+  vmx = mx.quantize(v.astype(jnp.float32), 2)
+
+  def g(qd, qsc, kd, ksc, vd, vsc):
+    return _ops().forward_mx(mx.MXArray(qd, qsc, 3), mx.MXArray(kd, ksc, 3), mx.MXArray(vd, vsc, 1), ql, kl,
+                             scale=0.1, is_causal=True, window=None, out_dtype=jnp.float32)
+
+  vg = jax.vmap(g)(qm.data, qm.scale, km.data, km.scale, vmx.data, vmx.scale)
+  for i in range(V):
+    np.testing.assert_array_equal(np.asarray(vg[0][i]), np.asarray(eager[i][0]))
+
+
+def test_bad_input_raises():
+  qm = mx.quantize(jnp.ones((1, 8, 2, 96)), 3)
+  with pytest.raises(NotImplementedError, match="head_dim=96"):
+    _ops().forward_mx(qm, qm, mx.quantize(jnp.ones((1, 8, 2, 96)), 1), jnp.array([8], jnp.int32),
+                      jnp.array([8], jnp.int32), scale=0.1)
+  qm = mx.quantize(jnp.ones((1, 8, 2, 64)), 3)
+  vm = mx.quantize(jnp.ones((1, 8, 2, 64)), 1)
+  with pytest.raises(ValueError, match="v.axis"):
+    _ops().forward_mx(qm, qm, qm, jnp.array([8], jnp.int32), jnp.array([8], jnp.int32), scale=0.1)
+  with pytest.raises(ValueError, match="q_seqlen"):
+    _ops().forward_mx(qm, qm, vm, jnp.array([8, 8], jnp.int32), jnp.array([8], jnp.int32), scale=0.1)
+  with pytest.raises(ValueError, match="window"):
+    _ops().forward_mx(qm, qm, vm, jnp.array([8], jnp.int32), jnp.array([8], jnp.int32), scale=0.1,
+                      window=(-3, 0))
