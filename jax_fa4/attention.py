@@ -136,7 +136,10 @@ def _forward_impl(cfg: AttentionConfig, q, k, v, bias, mask, q_seqlen, kv_seqlen
   else:
     o, lse = impl.forward_mx(_as_mx(q, 3), _as_mx(k, 3), _as_mx(v, 1), bias, mask, q_seqlen,
                              kv_seqlen, cfg)
-  return o.astype(out_dtype), lse
+  # The barrier keeps O materialised in the caller's dtype: the backward's delta = rowsum(O dO)
+  # must see the rounded O (NUMERICS.md section 3), and XLA:GPU would otherwise fold the
+  # f32 -> bf16 -> f32 round trip away.
+  return jax.lax.optimization_barrier(o.astype(out_dtype)), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
