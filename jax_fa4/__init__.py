@@ -2,6 +2,7 @@
 from jax_fa4.mx import MXArray, dequantize, quantize, requantize
 from jax_fa4.attention import AttentionConfig, dot_product_attention
 from jax_fa4.backends import available as available_backends
+from jax_fa4 import sharding
 
 __version__ = "0.1.0"
 
@@ -13,4 +14,5 @@ __all__ = [
     "dot_product_attention",
     "quantize",
     "requantize",
+    "sharding",
 ]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa4 import backends, mx, reference
+from jax_fa4 import backends, mx, partitioning, reference
 
 Implementation = Optional[Literal["xla", "cpu", "cuda"]]
 IMPLEMENTATIONS = ("xla", "cpu", "cuda")
@@ -132,10 +132,12 @@ def _forward_impl(cfg: AttentionConfig, q, k, v, bias, mask, q_seqlen, kv_seqlen
   if impl.forward_float is not None and all(not isinstance(t, mx.MXArray) for t in (q, k, v)) \
       and bias is None and mask is None:
     # The backend prepares float inputs itself (fused quantization on the GPU).
-    o, lse = impl.forward_float(q, k, v, q_seqlen, kv_seqlen, cfg)
+    o, lse = partitioning.forward_float(impl, q, k, v, q_seqlen, kv_seqlen, cfg)
   else:
-    o, lse = impl.forward_mx(_as_mx(q, 3), _as_mx(k, 3), _as_mx(v, 1), bias, mask, q_seqlen,
-                             kv_seqlen, cfg)
+    # partitioning.* wrap the backend call in custom_partitioning: batch/head-sharded inputs
+    # run shard-local under jit (docs/SHARDING.md).
+    o, lse = partitioning.forward_mx(impl, _as_mx(q, 3), _as_mx(k, 3), _as_mx(v, 1), bias, mask,
+                                     q_seqlen, kv_seqlen, cfg)
   # The barrier keeps O materialised in the caller's dtype: the backward's delta = rowsum(O dO)
   # must see the rounded O (NUMERICS.md section 3), and XLA:GPU would otherwise fold the
   # f32 -> bf16 -> f32 round trip away.
@@ -176,10 +178,10 @@ def _attention_bwd(cfg, res, cts):
   o = res["o"]
   do = jnp.asarray(do).astype(o.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  dq, dk, dv, dbias = impl.backward(res["q_h"], res["q_t"], res["k_h"], res["k_s"], res["v_h"],
-                                    mx.quantize(do, 3), mx.quantize(do, 1), res["lse"], delta,
-                                    res["bias"], res["mask"], res["q_seqlen"], res["kv_seqlen"],
-                                    cfg)
+  dq, dk, dv, dbias = partitioning.backward(
+      impl, res["q_h"], res["q_t"], res["k_h"], res["k_s"], res["v_h"], mx.quantize(do, 3),
+      mx.quantize(do, 1), res["lse"], delta, res["bias"], res["mask"], res["q_seqlen"],
+      res["kv_seqlen"], cfg)
   grads = []
   for g, dt, tmpl in zip((dq, dk, dv), cfg.grad_dtypes, (res["q_mx"], res["k_mx"], res["v_mx"])):
     grads.append(tmpl if dt is None else g.astype(dt))
