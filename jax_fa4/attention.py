@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa4 import backends, mx, partitioning, reference
+from jax_fa4 import backends, mx, partitioning
 
 Implementation = Optional[Literal["xla", "cpu", "cuda"]]
 IMPLEMENTATIONS = ("xla", "cpu", "cuda")
@@ -300,4 +300,3 @@ def dot_product_attention(
 
 
 __all__ = ["dot_product_attention", "AttentionConfig", "IMPLEMENTATIONS"]
-_ = reference  # the "xla" backend runs the recipe; see jax_fa4.backends

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 
 def positional_mask(T: int, S: int, *, is_causal: bool, window, q_seqlen, kv_seqlen, xp=jnp):
@@ -37,4 +36,3 @@ def broadcast_bnts(x, B: int, N: int, T: int, S: int, xp=jnp):
 
 
 __all__ = ["positional_mask", "broadcast_bnts"]
-_ = np  # numpy callers pass xp=np
