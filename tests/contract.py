@@ -91,10 +91,15 @@ def make_do(kind: str, B: int, T: int, N: int, H: int, seed: int = 1):
   return do
 
 
+def mx_inputs(q, k, v):
+  """The forward's MX operands: q, k blocked along H (last axis), v along S (third from last)."""
+  return (mx.quantize(jnp.asarray(q), -1), mx.quantize(jnp.asarray(k), -1),
+          mx.quantize(jnp.asarray(v), -3))
+
+
 def dequantized_inputs(q, k, v):
-  """The values the MX recipe actually computes with: q, k blocked along H, v along S."""
-  return (mx.quantize(jnp.asarray(q), 3).dequantize(), mx.quantize(jnp.asarray(k), 3).dequantize(),
-          mx.quantize(jnp.asarray(v), 1).dequantize())
+  """The values the MX recipe actually computes with."""
+  return tuple(x.dequantize() for x in mx_inputs(q, k, v))
 
 
 def _bf16(x):

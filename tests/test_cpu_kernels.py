@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from contract import assert_contract, make_do, make_qkv, truth_and_bf16
+from contract import assert_contract, make_do, make_qkv, mx_inputs, truth_and_bf16
 from jax_fa4 import mx, reference as R
 
 _cpu_ops = pytest.importorskip("jax_fa4._cpu_ops")
@@ -29,10 +29,6 @@ def _window(wl, wr):
   if wl < 0 and wr < 0:
     return None
   return (None if wl < 0 else wl, None if wr < 0 else wr)
-
-
-def _mx_fwd_inputs(q, k, v):
-  return mx.quantize(jnp.asarray(q), -1), mx.quantize(jnp.asarray(k), -1), mx.quantize(jnp.asarray(v), -3)
 
 
 def _mx_bwd_inputs(q, k, v, do):
@@ -126,7 +122,7 @@ def test_one_hot_attention_is_exact():
     q[0, i, 0, i] = 8.0
     k[0, 3 * i + 1, 0, i] = 8.0
   v = np.random.default_rng(0).standard_normal((1, S, 1, H)).astype(np.float32)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, scale=1.0)
   vd = np.asarray(vm.dequantize())
   np.testing.assert_array_equal(np.asarray(o)[0, :, 0], vd[0, 1:3 * T + 1:3, 0])
@@ -141,7 +137,7 @@ def test_uniform_attention_is_the_mean(causal):
   q = np.zeros((2, T, 2, 64), np.float32)
   k = rng.standard_normal((2, S, 1, 64)).astype(np.float32)
   v = rng.standard_normal((2, S, 1, 64)).astype(np.float32)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, scale=0.125, is_causal=causal)
   vd = np.asarray(vm.dequantize(), np.float64)
   n = np.arange(1, T + 1) if causal else np.full(T, S)
@@ -165,7 +161,7 @@ def _run_contract(kind="normal", do_kind="normal", B=1, T=113, S=113, N=2, K=1, 
   mask_kw = dict(scale=scale, is_causal=causal, window=window, q_seqlen=ql, kv_seqlen=kl)
   kern_kw = dict(scale=scale, is_causal=causal, window_left=wl, window_right=wr)
 
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, ql, kl, **kern_kw)
   ro, rlse = R.mx_forward(qm, km, vm, **mask_kw)
   ref = truth_and_bf16(q, k, v, do, **mask_kw)
@@ -252,7 +248,7 @@ def test_ragged_lengths_including_zero(causal):
 
 def test_lengths_are_clamped():
   q, k, v = make_qkv("normal", 2, 40, 50, 2, 1, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o1, l1 = _cpu_ops.forward(qm, km, vm, jnp.array([1000, -5], jnp.int32),
                             jnp.array([77, 50], jnp.int32), scale=0.1)
   o2, l2 = _cpu_ops.forward(qm, km, vm, jnp.array([40, 0], jnp.int32),
@@ -265,7 +261,7 @@ def test_window_excluding_every_key():
   # A window that excludes every key of some rows (right=-1-window far to the left via T > S):
   # those rows are fully masked.
   q, k, v = make_qkv("normal", 1, 64, 16, 1, 1, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, scale=0.1, window_left=4, window_right=0)
   o, lse = np.asarray(o), np.asarray(lse)
   assert (o[0, 20:] == 0).all() and np.isneginf(lse[0, 20:]).all()
@@ -276,7 +272,7 @@ def test_empty_sequences():
   for T, S in ((0, 10), (10, 0)):
     q, k, v = make_qkv("normal", 1, max(T, 1), max(S, 1), 1, 1, 64)
     q, k, v = q[:, :T], k[:, :S], v[:, :S]
-    qm, km, vm = _mx_fwd_inputs(q, k, v)
+    qm, km, vm = mx_inputs(q, k, v)
     o, lse = _cpu_ops.forward(qm, km, vm, scale=0.1)
     assert o.shape == (1, T, 1, 64) and (np.asarray(o) == 0).all()
     assert np.isneginf(np.asarray(lse)).all()
@@ -291,7 +287,7 @@ def test_empty_sequences():
 
 def test_jit_matches_eager():
   q, k, v = make_qkv("normal", 2, 50, 60, 2, 1, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   f = jax.jit(lambda a, b, c, ql: _cpu_ops.forward(a, b, c, ql, scale=0.125, is_causal=True))
   ql = jnp.array([50, 20], jnp.int32)
   o1, l1 = f(qm, km, vm, ql)
@@ -335,10 +331,10 @@ def test_vmap_forward_and_backward():
 
 def test_several_batch_dims_flatten():
   q, k, v = make_qkv("normal", 6, 20, 30, 2, 2, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, scale=0.1)
   r = lambda x: x.reshape((2, 3) + x.shape[1:])
-  q2, k2, v2 = _mx_fwd_inputs(r(q), r(k), r(v))
+  q2, k2, v2 = mx_inputs(r(q), r(k), r(v))
   o2, lse2 = _cpu_ops.forward(q2, k2, v2, scale=0.1)
   np.testing.assert_array_equal(np.asarray(o2).reshape(o.shape), np.asarray(o))
   np.testing.assert_array_equal(np.asarray(lse2).reshape(lse.shape), np.asarray(lse))
@@ -346,7 +342,7 @@ def test_several_batch_dims_flatten():
 
 def test_concurrent_calls_from_threads():
   q, k, v = make_qkv("normal", 2, 130, 130, 2, 1, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   want = np.asarray(_cpu_ops.forward(qm, km, vm, scale=0.1)[0])
   out = [None] * 4
 
@@ -368,7 +364,7 @@ def test_concurrent_calls_from_threads():
 def test_nan_block_propagates_only_where_used():
   q, k, v = make_qkv("normal", 1, 64, 64, 1, 1, 64)
   k[0, 10, 0, 5] = np.nan  # key 10 is NaN: rows that attend to it must be NaN
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = _cpu_ops.forward(qm, km, vm, scale=0.1, is_causal=True)
   o, lse = np.asarray(o), np.asarray(lse)
   assert np.isfinite(o[0, :10]).all() and np.isfinite(lse[0, :10]).all()
@@ -412,7 +408,7 @@ def test_bad_input_is_an_error_not_an_abort(bad):
 
 def test_python_validation_names_the_argument():
   q, k, v = make_qkv("normal", 1, 8, 8, 2, 1, 64)
-  qm, km, vm = _mx_fwd_inputs(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   with pytest.raises(ValueError, match="v.axis"):
     _cpu_ops.forward(qm, km, mx.quantize(jnp.asarray(v), 3), scale=0.1)
   with pytest.raises(ValueError, match="q_seqlen.shape"):

@@ -3,12 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from contract import KINDS, make_do, make_qkv, rel_err, truth_and_bf16
+from contract import KINDS, make_do, make_qkv, mx_inputs, rel_err, truth_and_bf16
 from jax_fa4 import mx, reference as R
-
-
-def _mx3(q, k, v):
-  return mx.quantize(jnp.asarray(q), 3), mx.quantize(jnp.asarray(k), 3), mx.quantize(jnp.asarray(v), 1)
 
 
 def test_one_hot_attention_is_exact():
@@ -21,7 +17,7 @@ def test_one_hot_attention_is_exact():
     q[0, i, 0, i] = 8.0
     k[0, 3 * i, 0, i] = 8.0
   v = np.random.default_rng(0).standard_normal((1, S, 1, H)).astype(np.float32)
-  qm, km, vm = _mx3(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = R.mx_forward(qm, km, vm, scale=1.0)
   vd = np.asarray(vm.dequantize())
   np.testing.assert_allclose(np.asarray(o)[0, :, 0], vd[0, 0:3 * T:3, 0], rtol=1e-6, atol=0)
@@ -34,7 +30,7 @@ def test_uniform_attention_is_the_mean():
   q = np.zeros((2, 5, 2, 64), np.float32)
   k = rng.standard_normal((2, 40, 2, 64)).astype(np.float32)
   v = rng.standard_normal((2, 40, 2, 64)).astype(np.float32)
-  qm, km, vm = _mx3(q, k, v)
+  qm, km, vm = mx_inputs(q, k, v)
   o, lse = R.mx_forward(qm, km, vm, scale=0.125)
   want = np.asarray(vm.dequantize()).mean(axis=1, keepdims=True)
   np.testing.assert_allclose(np.asarray(o), np.broadcast_to(want, o.shape), rtol=1e-5, atol=1e-6)
@@ -73,7 +69,7 @@ def test_backward_products_without_rounding_match_float64(is_causal, window, G):
 def test_forward_recipe_error_is_small(kind):
   B, T, S, N, K, H = 1, 64, 96, 4, 2, 128
   q, k, v = make_qkv(kind, B, T, S, N, K, H, seed=7)
-  o, lse = R.mx_forward(*_mx3(q, k, v), scale=H ** -0.5, is_causal=True)
+  o, lse = R.mx_forward(*mx_inputs(q, k, v), scale=H ** -0.5, is_causal=True)
   ref = truth_and_bf16(q, k, v, scale=H ** -0.5, is_causal=True)["truth"]
   # P keeps 3 mantissa bits (rounding error <= 2**-4 each); averaged over a row the output error
   # is a few percent at most; the lse comes from the unrounded P and is fp32-exact.
@@ -83,7 +79,7 @@ def test_forward_recipe_error_is_small(kind):
 
 def test_fully_masked_rows_give_zero_and_neg_inf():
   q, k, v = make_qkv("normal", 2, 16, 16, 2, 2, 64)
-  o, lse = R.mx_forward(*_mx3(q, k, v), scale=0.125, q_seqlen=jnp.array([16, 5], jnp.int32),
+  o, lse = R.mx_forward(*mx_inputs(q, k, v), scale=0.125, q_seqlen=jnp.array([16, 5], jnp.int32),
                         kv_seqlen=jnp.array([0, 16], jnp.int32))
   o, lse = np.asarray(o), np.asarray(lse)
   assert not np.isnan(o).any()
@@ -94,7 +90,7 @@ def test_fully_masked_rows_give_zero_and_neg_inf():
 def test_nan_input_propagates_only_where_it_is_used():
   q, k, v = make_qkv("normal", 2, 8, 8, 1, 1, 64)
   v[1, 3, 0, 0] = np.nan
-  o, _ = R.mx_forward(*_mx3(q, k, v), scale=0.125)
+  o, _ = R.mx_forward(*mx_inputs(q, k, v), scale=0.125)
   o = np.asarray(o)
   assert np.isfinite(o[0]).all()          # batch 0 never reads the NaN
   # V is blocked along S: the NaN makes the scale of (keys 0-31, column 0) NaN, and exactly
@@ -110,7 +106,7 @@ def test_backward_recipe_error_is_bounded(do_kind):
   do = make_do(do_kind, B, T, N, H)
   qa, ka, va, doa = map(jnp.asarray, (q, k, v, do))
   kw = dict(scale=H ** -0.5, is_causal=True)
-  o, lse = R.mx_forward(*_mx3(q, k, v), **kw)
+  o, lse = R.mx_forward(*mx_inputs(q, k, v), **kw)
   delta = jnp.sum(o * doa, -1)
   grads = R.mx_backward(mx.quantize(qa, 3), mx.quantize(qa, 1), mx.quantize(ka, 3), mx.quantize(ka, 1),
                         mx.quantize(va, 3), mx.quantize(doa, 3), mx.quantize(doa, 1), lse, delta, **kw)[:3]
