@@ -126,7 +126,9 @@ def _as_mx(x, axis: int) -> mx.MXArray:
   return mx.quantize(x, axis)
 
 
-def _forward_impl(cfg: AttentionConfig, q, k, v, bias, mask, q_seqlen, kv_seqlen):
+def _forward_impl(cfg: AttentionConfig, q, k, v, bias, mask, q_seqlen, kv_seqlen, q_h=None,
+                  k_h=None):
+  """O (caller's dtype) and lse. ``q_h``/``k_h``: q and k already blocked along H, if at hand."""
   impl = backends.get(cfg.implementation)
   out_dtype = jnp.dtype(cfg.out_dtype)
   if impl.forward_float is not None and all(not isinstance(t, mx.MXArray) for t in (q, k, v)) \
@@ -136,8 +138,10 @@ def _forward_impl(cfg: AttentionConfig, q, k, v, bias, mask, q_seqlen, kv_seqlen
   else:
     # partitioning.* wrap the backend call in custom_partitioning: batch/head-sharded inputs
     # run shard-local under jit (docs/SHARDING.md).
-    o, lse = partitioning.forward_mx(impl, _as_mx(q, 3), _as_mx(k, 3), _as_mx(v, 1), bias, mask,
-                                     q_seqlen, kv_seqlen, cfg)
+    q_h = _as_mx(q, 3) if q_h is None else q_h
+    k_h = _as_mx(k, 3) if k_h is None else k_h
+    o, lse = partitioning.forward_mx(impl, q_h, k_h, _as_mx(v, 1), bias, mask, q_seqlen,
+                                     kv_seqlen, cfg)
   # The barrier keeps O materialised in the caller's dtype: the backward's delta = rowsum(O dO)
   # must see the rounded O (NUMERICS.md section 3), and XLA:GPU would otherwise fold the
   # f32 -> bf16 -> f32 round trip away.
@@ -150,10 +154,12 @@ def _attention(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen):
 
 
 def _attention_fwd(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen):
-  o, lse = _forward_impl(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen)
+  # q and k blocked along H serve both the forward and the backward: quantize them once.
+  q_h, k_h = _as_mx(q, 3), _as_mx(k, 3)
+  o, lse = _forward_impl(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen, q_h=q_h, k_h=k_h)
   # Residuals are MX data (every orientation the backward products need), O and lse: no
   # high-precision copy of q, k or v is kept for the backward pass.
-  res = dict(q_h=_as_mx(q, 3), q_t=_as_mx(q, 1), k_h=_as_mx(k, 3), k_s=_as_mx(k, 1),
+  res = dict(q_h=q_h, q_t=_as_mx(q, 1), k_h=k_h, k_s=_as_mx(k, 1),
              v_h=_as_mx(v, 3), o=o, lse=lse, bias=bias, mask=mask, q_seqlen=q_seqlen,
              kv_seqlen=kv_seqlen, q_mx=_mx_template(q), k_mx=_mx_template(k),
              v_mx=_mx_template(v))
