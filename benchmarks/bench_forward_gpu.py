@@ -3,9 +3,11 @@
 Times (median over repeats; each repeat runs a burst of calls over rotating input buffers, after
 warm-up) jax_fa4's sm_90a kernels against jax's cuDNN bf16 and cuDNN per-tensor FP8 attention and the
 Pallas Mosaic-GPU attention (fp16):
-  fa4_mx      jax_fa4 forward_mx from MX inputs (preparation kernels included)
-  fa4_kernel  the attention kernel alone on prepared inputs
-  fa4_float   jax_fa4 forward_float from bf16 inputs (quantization + preparation included)
+  fa4_mx      jax_fa4 forward_mx from MX inputs, exact scores (the default; preparation included)
+  fa4_float   jax_fa4 forward_float from bf16 inputs, exact scores (quantization + preparation included)
+  fa4_kernel  the exact-score attention kernel alone on prepared inputs
+  fp8_mx      forward_mx with scores="fp8" (the opt-in path; preparation included)
+  fp8_kernel  the FP8-score attention kernel alone on prepared inputs
   cudnn_bf16  jax.nn.dot_product_attention(implementation='cudnn'), bf16
   cudnn_fp8   jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True), e4m3
   mgpu_fp16   jax.experimental.pallas.ops.gpu.attention_mgpu.attention, fp16
@@ -86,23 +88,30 @@ def bench_shape(B, T, S, N, H, causal, results):
 
   kw = dict(scale=scale, is_causal=causal, window=None, out_dtype=jnp.bfloat16)
 
-  def m_fa4_mx():
-    mx_sets = [(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)) for q, k, v in sets]
-    f = jax.jit(lambda q, k, v: co.forward_mx(q, k, v, ql, kl, **kw))
-    return f, mx_sets
+  def m_mx(scores):
+    def make():
+      mx_sets = [(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)) for q, k, v in sets]
+      f = jax.jit(lambda q, k, v: co.forward_mx(q, k, v, ql, kl, scores=scores, **kw))
+      return f, mx_sets
+    return make
 
-  def m_fa4_kernel():
-    s_pad = co._s_pad(S)
-    prepped = []
-    for q, k, v in sets:
-      qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
-      q8, qs = co._prep_rows_mx(qm, T)
-      k8, ks = co._prep_rows_mx(km, s_pad)
-      vt, vs = co._prep_v(vm, kl, s_pad)
-      prepped.append((q8, qs, k8, ks, vt, vs))
-    f = jax.jit(lambda *a: co._fwd(*a, ql, kl, scale=scale, is_causal=causal, window=None,
-                                   out_dtype=jnp.bfloat16))
-    return f, prepped
+  def m_kernel(scores):
+    def make():
+      s_pad = co._s_pad(S)
+      prepped = []
+      for q, k, v in sets:
+        qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+        if scores == "exact":
+          (q8, qs), (k8, ks) = co._exact_rows(qm), co._exact_rows(km)
+        else:
+          q8, qs = co._prep_rows_mx(qm, T)
+          k8, ks = co._prep_rows_mx(km, s_pad)
+        vt, vs = co._prep_v(vm, kl, s_pad)
+        prepped.append((q8, qs, k8, ks, vt, vs))
+      f = jax.jit(lambda *a: co._fwd(*a, ql, kl, scale=scale, is_causal=causal, window=None,
+                                     out_dtype=jnp.bfloat16))
+      return f, prepped
+    return make
 
   def m_fa4_float():
     f = jax.jit(lambda q, k, v: co.forward_float(q, k, v, ql, kl, **kw))
@@ -137,7 +146,8 @@ def bench_shape(B, T, S, N, H, causal, results):
         last = e
     raise last
 
-  for name, make in (("fa4_mx", m_fa4_mx), ("fa4_kernel", m_fa4_kernel), ("fa4_float", m_fa4_float),
+  for name, make in (("fa4_mx", m_mx("exact")), ("fa4_float", m_fa4_float), ("fa4_kernel", m_kernel("exact")),
+                     ("fp8_mx", m_mx("fp8")), ("fp8_kernel", m_kernel("fp8")),
                      ("cudnn_bf16", m_cudnn_bf16), ("cudnn_fp8", m_cudnn_fp8), ("mgpu_fp16", m_mgpu_fp16)):
     run(name, make)
   del sets
@@ -146,12 +156,15 @@ def bench_shape(B, T, S, N, H, causal, results):
   return row
 
 
-COLS = ("fa4_mx", "fa4_kernel", "fa4_float", "cudnn_bf16", "cudnn_fp8", "mgpu_fp16")
+COLS = ("fa4_mx", "fa4_float", "fa4_kernel", "fp8_mx", "fp8_kernel", "cudnn_bf16", "cudnn_fp8", "mgpu_fp16")
+# (numerator, denominator) of the printed speed-ups: baseline time / jax_fa4 time.
+RATIOS = (("fa4_mx", "cudnn_bf16"), ("fa4_mx", "cudnn_fp8"), ("fa4_float", "cudnn_bf16"), ("fp8_mx", "cudnn_fp8"))
 
 
 def _print_header():
   print(f"{'B':>3} {'T=S':>6} {'H':>4} {'causal':>6} | " +
-        " | ".join(f"{c:>18}" for c in COLS) + " | fa4_mx x bf16 | fa4_mx x fp8", flush=True)
+        " | ".join(f"{c:>18}" for c in COLS) + " | " +
+        " | ".join(f"{a} x {b}" for a, b in RATIOS), flush=True)
   print(f"{'':>23} | " + " | ".join(f"{'us  TFLOP/s':>18}" for _ in COLS), flush=True)
 
 
@@ -166,7 +179,7 @@ def _print_row(r):
   def ratio(a, b):
     return f"{r['us'][b] / r['us'][a]:.3f}" if a in r["us"] and b in r["us"] else "n/a"
   print(f"{r['B']:>3} {r['T']:>6} {r['H']:>4} {str(r['causal']):>6} | " + " | ".join(cells) +
-        f" | {ratio('fa4_mx', 'cudnn_bf16'):>13} | {ratio('fa4_mx', 'cudnn_fp8'):>12}", flush=True)
+        " | " + " | ".join(f"{ratio(a, b):>{len(a) + len(b) + 3}}" for a, b in RATIOS), flush=True)
   for c, why in r["na"].items():
     print(f"      n/a {c}: {why}", flush=True)
 
@@ -190,6 +203,10 @@ def bench_prep(B, T, N, H, results):
       "prep_v_mx": (jax.jit(lambda d, s: co._prep_v(mx.MXArray(d, s, 1), kl, s_pad)), (vm.data, vm.scale),
                     R * H * 2 + 2 * (R * H // 32) + B * K * H * 4),
       "quantize_bf16": (jax.jit(lambda a: co.quantize(a, 1).data), (x,), R * H * 2 + R * H + R * H // 32),
+      # The exact-score path's Q/K operand: MX -> bf16 (an XLA fusion), and bf16 -> MX -> bf16.
+      "exact_rows_mx": (jax.jit(lambda d, s: co._exact_rows(mx.MXArray(d, s, 3))[0]), (xm.data, xm.scale),
+                        R * H + R * H // 32 + R * H * 2),
+      "exact_rows_bf16": (jax.jit(lambda a: co._exact_rows(co.quantize(a, 3))[0]), (x,), R * H * 2 * 2),
   }
   for name, (fn, args, nbytes) in cases.items():
     try:

@@ -382,7 +382,7 @@ def parse_args(argv=None):
   ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
   ap.add_argument("--attention", choices=("jax_fa4", "cudnn", "xla"), default="jax_fa4",
                   help="jax_fa4 (MXFP8), or jax.nn.dot_product_attention with cudnn/xla")
-  ap.add_argument("--implementation", choices=("xla", "cpu", "cuda"), default=None,
+  ap.add_argument("--implementation", choices=("xla", "cpu", "cuda", "cuda_fp8"), default=None,
                   help="jax_fa4 backend (default: the fastest available)")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                   help="computation dtype (parameters are float32)")

@@ -1,13 +1,18 @@
 """Python side of the Hopper (sm_90a) CUDA kernels: FFI registration and the jnp-facing calls.
 
-The forward pass is four FFI calls (so XLA owns every intermediate buffer):
-  1. ``prep_rows`` on Q and on K: each row of H elements re-expressed on ONE power-of-two scale (the
-     largest of its block scales; exact unless an element underflows), row scales as fp32;
-  2. ``prep_v``: V transposed to [B, K, H, S_pad] (S contiguous, keys permuted inside 16-key groups
-     to match the kernel's P registers) on one scale per head-dim column over the valid keys;
-  3. ``fwd``: the FA3-style warp-specialised FP8 wgmma kernel.
-From float inputs, Q and K are quantized inside ``prep_rows`` (one pass) and V goes through the MX
-quantizer first; the result is bit-identical to ``forward_mx`` on ``jax_fa4.mx.quantize``'d inputs.
+The forward pass is a few FFI calls (so XLA owns every intermediate buffer). Two score paths:
+  ``scores="exact"`` (the default; the accuracy contract's path): Q and K are dequantized to bf16,
+    which holds every MX value exactly, and Q K^T runs on bf16 wgmma with fp32 sums.
+  ``scores="fp8"`` (fastest): ``prep_rows`` on Q and on K re-expresses each row of H elements on ONE
+    power-of-two scale (the largest of its block scales; exact unless an element underflows), row
+    scales as fp32, and Q K^T runs on FP8 wgmma, whose sums keep fewer bits than fp32
+    (docs/HOPPER_FORWARD.md, "Accuracy").
+Both: ``prep_v`` transposes V to [B, K, H, S_pad] (S contiguous, keys permuted inside 16-key groups
+to match the kernel's P registers) on one scale per head-dim column over the valid keys, and ``fwd``
+is the FA3-style warp-specialised kernel, P V on FP8 wgmma.
+From float inputs, Q and K are quantized inside ``prep_rows`` (fp8) or by the GPU MX quantizer
+(exact), V by the MX quantizer; the result is bit-identical to ``forward_mx`` on
+``jax_fa4.mx.quantize``'d inputs.
 
 Every call works under ``jax.jit`` and ``jax.vmap``: the handlers fold any leading dims into the batch
 and the ffi_calls use ``vmap_method="broadcast_all"``.
@@ -183,6 +188,25 @@ def _prep_v(v: mx.MXArray, kv_len, s_pad: int):
   return jax.ffi.ffi_call(_T_PREP_V, out, vmap_method="broadcast_all")(v.data, mx.e8m0_to_bytes(v.scale), kv_len)
 
 
+SCORES = ("exact", "fp8")
+
+
+def _check_scores(scores):
+  if scores not in SCORES:
+    raise ValueError(f"scores={scores!r} must be one of {SCORES}")
+
+
+def _exact_rows(x: mx.MXArray):
+  """The exact-score path's Q/K operand: the dequantized MX values in bf16.
+
+  Exact: an e4m3 value (4 significant bits) times a power of two is a bf16 value with the same
+  exponent range as fp32, except below 2^-130, where bf16's subnormals run out of bits before
+  fp32's do (block scales under 2^-124: inputs of magnitude ~1e-35). The row scales are unused,
+  so they are passed empty.
+  """
+  return x.dequantize(jnp.bfloat16), jnp.zeros((0,), jnp.float32)
+
+
 def _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, *, scale, is_causal, window, out_dtype):
   B, T, N, H = q8.shape
   left, right = _norm_window(window)
@@ -224,12 +248,14 @@ def quantize(x, axis: int = -1) -> mx.MXArray:
 
 
 def forward_mx(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, q_seqlen, kv_seqlen, *, scale: float,
-               is_causal: bool = False, window=None, out_dtype=jnp.bfloat16):
+               is_causal: bool = False, window=None, out_dtype=jnp.bfloat16, scores: str = "exact"):
   """MXFP8 attention forward on Hopper: ``(o [B,T,N,H] out_dtype, lse [B,T,N] float32)``.
 
   q, k: MXArray blocked along H (axis 3); v: MXArray blocked along S (axis 1); q_seqlen,
   kv_seqlen: int32 [B]. window: None or (left, right), each None (unbounded) or an int >= 0.
+  scores: "exact" (Q K^T on bf16 wgmma from the exact dequantized values) or "fp8" (FP8 wgmma).
   """
+  _check_scores(scores)
   for name, x, ax in (("q", q, 3), ("k", k, 3), ("v", v, 1)):
     if not isinstance(x, mx.MXArray):
       raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
@@ -248,20 +274,25 @@ def forward_mx(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, q_seqlen, kv_seqlen,
   if T == 0 or S == 0 or B == 0:
     return _empty_result(B, T, N, H, out_dtype)
   s_pad = _s_pad(S)
-  q8, qs = _prep_rows_mx(q, T)
-  k8, ks = _prep_rows_mx(k, s_pad)
+  if scores == "exact":
+    (q8, qs), (k8, ks) = _exact_rows(q), _exact_rows(k)
+  else:
+    q8, qs = _prep_rows_mx(q, T)
+    k8, ks = _prep_rows_mx(k, s_pad)
   vt, vs = _prep_v(v, kv_len, s_pad)
   return _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, scale=scale, is_causal=is_causal, window=window,
               out_dtype=out_dtype)
 
 
 def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
-                  out_dtype=jnp.bfloat16):
+                  out_dtype=jnp.bfloat16, scores: str = "exact"):
   """As :func:`forward_mx` from bf16/f16/f32 inputs q [B,T,N,H], k, v [B,S,K,H].
 
   Bit-identical to ``forward_mx(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1), ...)``:
-  Q and K are quantized inside the row-prep kernel, V by the GPU MX quantizer.
+  Q and K are quantized by the GPU MX quantizer (exact scores) or inside the row-prep kernel
+  (fp8 scores), V by the GPU MX quantizer.
   """
+  _check_scores(scores)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
@@ -277,11 +308,14 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
   if T == 0 or S == 0 or B == 0:
     return _empty_result(B, T, N, H, out_dtype)
   s_pad = _s_pad(S)
-  q8, qs = _prep_rows_float(q, T)
-  k8, ks = _prep_rows_float(k, s_pad)
+  if scores == "exact":
+    (q8, qs), (k8, ks) = _exact_rows(quantize(q, 3)), _exact_rows(quantize(k, 3))
+  else:
+    q8, qs = _prep_rows_float(q, T)
+    k8, ks = _prep_rows_float(k, s_pad)
   vt, vs = _prep_v(quantize(v, 1), kv_len, s_pad)
   return _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, scale=scale, is_causal=is_causal, window=window,
               out_dtype=out_dtype)
 
 
-__all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "quantize"]
+__all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "quantize", "SCORES"]

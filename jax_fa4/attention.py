@@ -16,8 +16,8 @@ import numpy as np
 
 from jax_fa4 import backends, mx, partitioning
 
-Implementation = Optional[Literal["xla", "cpu", "cuda"]]
-IMPLEMENTATIONS = ("xla", "cpu", "cuda")
+Implementation = Optional[Literal["xla", "cpu", "cuda", "cuda_fp8"]]
+IMPLEMENTATIONS = ("xla", "cpu", "cuda", "cuda_fp8")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -28,7 +28,7 @@ class AttentionConfig:
   scale: float
   is_causal: bool
   window: Optional[Tuple[int, int]]  # (left, right), both >= 0; None = unbounded
-  implementation: str  # the resolved backend: "xla", "cpu" or "cuda"
+  implementation: str  # the resolved backend: one of IMPLEMENTATIONS
   out_dtype: str  # dtype name of O (and of the float gradients' primal dtypes)
   grad_dtypes: Tuple[Optional[str], Optional[str], Optional[str]]  # q, k, v; None for MXArray
 
@@ -240,8 +240,10 @@ def dot_product_attention(
   Args:
     implementation: ``None`` picks the fastest backend that serves the call on the default
       device: ``"cuda"`` (Hopper kernels), ``"cpu"`` (C++ FFI kernels), else ``"xla"`` (the
-      plain-jnp recipe, which also serves dense ``bias``/``mask``). An explicit choice that
-      cannot serve the call raises, saying why.
+      plain-jnp recipe, which also serves dense ``bias``/``mask``). ``"cuda_fp8"`` (opt-in) is
+      the Hopper kernel with Q K^T on FP8 tensor cores too: faster, outside the accuracy
+      contract (docs/HOPPER_FORWARD.md). An explicit choice that cannot serve the call raises,
+      saying why.
     return_residual: also return the log-sum-exp, float32 ``BTN`` (natural log; ``-inf`` for
       fully masked rows, whose output is 0).
 

@@ -3,12 +3,16 @@
 - ``"xla"``: the plain-jnp recipe (jax_fa4.reference), any platform; the only one serving a
   dense ``bias`` or ``mask``.
 - ``"cpu"``: the C++ FFI kernels (forward and backward), platform "cpu".
-- ``"cuda"``: the Hopper (sm_90a) forward kernels; its backward pass runs the jnp recipe on the
-  GPU until the Hopper backward kernels land. Opt-in only (see ``Backend.default``).
+- ``"cuda"``: the Hopper (sm_90a) forward kernel with exact scores (Q K^T on bf16 wgmma from the
+  exact dequantized MX values, P V on FP8 wgmma); its backward pass runs the jnp recipe on the GPU
+  until the Hopper backward kernels land.
+- ``"cuda_fp8"``: the same kernel with Q K^T on FP8 wgmma too: the fastest, and opt-in only, since
+  FP8 wgmma's reduced-precision sums miss the accuracy contract (see ``Backend.default``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -120,34 +124,40 @@ def _cuda_available() -> bool:
     return False
 
 
-def _cuda_check(*, q_shape, k_shape, **kw):
-  _kernel_check("cuda", **kw)
+def _cuda_check(name, *, q_shape, k_shape, **kw):
+  _kernel_check(name, **kw)
   why = _cuda_ops().unsupported_reason(q_shape, k_shape, head_dim=kw["head_dim"],
                                        window=kw["window"], out_dtype=kw["out_dtype"])
   if why is not None:
-    raise Unsupported(NotImplementedError, f"implementation='cuda' cannot serve this call: {why}")
+    raise Unsupported(NotImplementedError, f"implementation={name!r} cannot serve this call: {why}")
+
+
+_SCORES = {"cuda": "exact", "cuda_fp8": "fp8"}
 
 
 def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
   return _cuda_ops().forward_mx(q_h, k_h, v_s, q_len, kv_len, scale=cfg.scale,
                                 is_causal=cfg.is_causal, window=cfg.window,
-                                out_dtype=cfg.out_dtype)
+                                out_dtype=cfg.out_dtype, scores=_SCORES[cfg.implementation])
 
 
 def _cuda_forward_float(q, k, v, q_len, kv_len, cfg):
   return _cuda_ops().forward_float(q, k, v, q_len, kv_len, scale=cfg.scale,
                                    is_causal=cfg.is_causal, window=cfg.window,
-                                   out_dtype=cfg.out_dtype)
+                                   out_dtype=cfg.out_dtype, scores=_SCORES[cfg.implementation])
 
 
 _BACKENDS = {
     "xla": Backend("xla", None, lambda: True, _xla_check, _xla_forward, _xla_backward),
     "cpu": Backend("cpu", "cpu", _cpu_available, _cpu_check, _cpu_forward, _cpu_backward),
     # The Hopper backward kernels are issue 4: until then the recipe runs the backward on the GPU.
-    # Not a default: on an H200 its FP8 tensor-core accumulation misses the contract for the lse
-    # and for outlier inputs (docs/HOPPER_FORWARD.md); implementation='cuda' opts in.
-    "cuda": Backend("cuda", "gpu", _cuda_available, _cuda_check, _cuda_forward, _xla_backward,
-                    forward_float=_cuda_forward_float, default=False),
+    "cuda": Backend("cuda", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda"),
+                    _cuda_forward, _xla_backward, forward_float=_cuda_forward_float),
+    # Not a default: on an H200 FP8 wgmma's sums miss the contract for the lse and for outlier
+    # inputs (docs/HOPPER_FORWARD.md); implementation='cuda_fp8' opts in.
+    "cuda_fp8": Backend("cuda_fp8", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda_fp8"),
+                        _cuda_forward, _xla_backward, forward_float=_cuda_forward_float,
+                        default=False),
 }
 
 

@@ -234,7 +234,7 @@ if _nnx is not None:
       dtype: computation dtype of projections and attention (params stay ``param_dtype``).
       attention: ``"jax_fa4"`` (MXFP8, default), or the bf16 baselines ``"cudnn"``/``"xla"``
         (``jax.nn.dot_product_attention`` with that implementation).
-      implementation: the jax_fa4 backend (``None``/"xla"/"cpu"/"cuda"), for attention="jax_fa4".
+      implementation: the jax_fa4 backend (``None`` or one of ``jax_fa4.IMPLEMENTATIONS``), for attention="jax_fa4".
       local_window_size, scale: as ``jax_fa4.dot_product_attention``.
       model_axis: a mesh axis name to annotate the projections for tensor parallelism (q/k/v
         kernels split on their output features = heads, the out kernel on its input features),

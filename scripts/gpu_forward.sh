@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the CUDA module, smoke-test it, run the GPU tests, the quick benchmark and
 # compute-sanitizer (memcheck, racecheck) on a tiny shape. Logs go to $OUT (default ./gpu_out).
-#   scripts/gpu_forward.sh [stages]   stages: any of build,smoke,test,bench,fullbench,sanitize,sass
+#   scripts/gpu_forward.sh [stages]   stages: any of build,smoke,test,bench,fullbench,sanitize,sass,ncu
 #                                     (default: build,sass,smoke,probe,test,bench,sanitize)
 #   sanitize runs memcheck and racecheck; memcheck alone: stage memcheck
 set -u -o pipefail
@@ -84,9 +84,13 @@ sys.path.insert(0, "tests")
 import test_cuda_forward as t
 from contract import rel_err
 from jax_fa4 import _cuda_ops as co, mx
-VARIANTS = {"default": {}, "qk_promote": {"JAX_FA4_SM90_QK_PROMOTE": "1"},
-            "pipelined": {"JAX_FA4_SM90_PIPELINE": "1"}, "pingpong": {"JAX_FA4_SM90_PIPELINE": "3"},
-            "pipe_direct": {"JAX_FA4_SM90_PIPELINE": "5"}, "pingpong_direct": {"JAX_FA4_SM90_PIPELINE": "7"}}
+# name: (scores, env). "exact" is the default path; the fp8 rows are the opt-in path's variants.
+VARIANTS = {"exact": ("exact", {}), "fp8": ("fp8", {}), "fp8_qk_promote": ("fp8", {"JAX_FA4_SM90_QK_PROMOTE": "1"}),
+            "fp8_pingpong": ("fp8", {"JAX_FA4_SM90_PIPELINE": "3"}),
+            "fp8_pingpong_direct": ("fp8", {"JAX_FA4_SM90_PIPELINE": "7"})}
+def set_env(env):
+  for var in ("JAX_FA4_SM90_QK_PROMOTE", "JAX_FA4_SM90_PIPELINE"):
+    os.environ[var] = env.get(var, "0")
 cases = [
     (1, 1024, 1024, 4, 4, 128, True, None, "channel_outliers", None),
     (1, 1024, 1024, 4, 2, 128, False, None, "token_outliers", None),
@@ -95,54 +99,52 @@ cases = [
     (1, 512, 512, 2, 2, 256, True, None, "channel_outliers", None),
 ]
 for case in cases:
-  os.environ["JAX_FA4_SM90_QK_PROMOTE"] = "0"
+  set_env({})
   r = t._run_case(case, 11)
-  line = f"{t._ids(case):>62}: recipe O {rel_err(r['o_rec'], r['o_t']):.3e} lse {rel_err(r['lse_rec'], r['lse_t']):.2e}"
-  outs = {}
-  for name, env in VARIANTS.items():
-    for var in ("JAX_FA4_SM90_QK_PROMOTE", "JAX_FA4_SM90_PIPELINE"):
-      os.environ[var] = env.get(var, "0")
+  eo_rec, el_rec = rel_err(r['o_rec'], r['o_t']), rel_err(r['lse_rec'], r['lse_t'])
+  bo, bl = 1.05 * eo_rec + 1e-3 * rel_err(r['o_b'], r['o_t']), 1.05 * el_rec + 1e-3 * rel_err(r['lse_b'], r['lse_t'])
+  line = f"{t._ids(case):>62}: recipe O {eo_rec:.3e} lse {el_rec:.2e} (bounds O {bo:.3e} lse {bl:.2e})"
+  for name, (sc, env) in VARIANTS.items():
+    set_env(env)
     o, l = co.forward_mx(r["qm"], r["km"], r["vm"], jnp.asarray(r["ql"]), jnp.asarray(r["kl"]),
-                         out_dtype=jnp.float32, **r["kw"])
+                         out_dtype=jnp.float32, scores=sc, **r["kw"])
     o, l = np.asarray(o), np.asarray(l)
-    outs[name] = (o, l)
     eo = rel_err(o, r["o_t"]); el = rel_err(l, r["lse_t"])
-    line += f" | {name}: O {eo:.3e} (x{eo / max(rel_err(r['o_rec'], r['o_t']), 1e-30):.2f}) lse {el:.2e}"
-  for name in ("pipelined", "pingpong"):  # same arithmetic in the same order as the default
-    same = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(outs["default"], outs[name]))
-    line += f" | {name} bit-identical to default: {same}"
+    line += f" | {name}: O {eo:.3e} (x{eo / max(eo_rec, 1e-30):.2f}) lse {el:.2e}"
   print(line, flush=True)
-B, T, N, H = 2, 8192, 16, 128
-key = jax.random.split(jax.random.key(0), 3)
-q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in key)
-qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
-L = jnp.full((B,), T, jnp.int32)
-for causal in (False, True):
-  for name, env in VARIANTS.items():
-    for var in ("JAX_FA4_SM90_QK_PROMOTE", "JAX_FA4_SM90_PIPELINE"):
-      os.environ[var] = env.get(var, "0")
-    pr = name
-    # A new jitted function per variant: XLA may capture the FFI call into a CUDA graph, which
-    # would replay the launch parameters of the first variant.
-    f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal))
-    jax.block_until_ready(f(qm, km, vm))
-    ts = []
-    for _ in range(3):
-      t0 = time.perf_counter()
-      for _ in range(5):
-        out = f(qm, km, vm)
-      jax.block_until_ready(out)
-      ts.append((time.perf_counter() - t0) / 5)
-    us = statistics.median(ts) * 1e6
-    fl = 4 * B * T * T * N * H * (0.5 if causal else 1)
-    print(f"speed B2 T=S=8192 N16 H128 causal={causal} variant={pr}: {us:.1f} us, {fl / us / 1e6:.1f} TFLOP/s (prep incl.)", flush=True)
+for H in (128, 64, 256):
+  B, T, N = 2, 8192 if H <= 128 else 4096, 16
+  key = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in key)
+  qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+  L = jnp.full((B,), T, jnp.int32)
+  for causal in (False, True):
+    for name, (sc, env) in VARIANTS.items():
+      if H != 128 and name not in ("exact", "fp8"):
+        continue
+      set_env(env)
+      # A new jitted function per variant: XLA may capture the FFI call into a CUDA graph, which
+      # would replay the launch parameters of the first variant.
+      f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=sc))
+      jax.block_until_ready(f(qm, km, vm))
+      ts = []
+      for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(5):
+          out = f(qm, km, vm)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / 5)
+      us = statistics.median(ts) * 1e6
+      fl = 4 * B * T * T * N * H * (0.5 if causal else 1)
+      print(f"speed B{B} T=S={T} N{N} H{H} causal={causal} variant={name}: {us:.1f} us, {fl / us / 1e6:.1f} TFLOP/s (prep incl.)", flush=True)
 os.environ["JAX_FA4_SM90_QK_PROMOTE"] = "0"; os.environ["JAX_FA4_SM90_PIPELINE"] = "0"
 PY
 fi
 
 if has test; then
-  log "pytest tests/test_cuda_forward.py"
-  timeout ${TEST_TIMEOUT:-220} $PY -m pytest -q -rA -s --no-header -p no:cacheprovider tests/test_cuda_forward.py > "$OUT/pytest.log" 2>&1
+  TESTS=${TESTS:-tests/test_cuda_forward.py}
+  log "pytest $TESTS"
+  timeout ${TEST_TIMEOUT:-220} $PY -m pytest -q -rA -s --no-header -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
   rc=$?
   grep -E "passed|failed|error|O err|seed" "$OUT/pytest.log" | tail -40
   log "pytest rc=$rc: $(tail -1 "$OUT/pytest.log")"
@@ -168,7 +170,8 @@ for H in (64, 128, 256):
   ql, kl = jnp.array([130, 7], jnp.int32), jnp.array([200, 0], jnp.int32)
   o = co.forward_float(q, k, k, ql, kl, scale=0.1, is_causal=True, window=(40, None), out_dtype=jnp.bfloat16)
   o2 = co.forward_mx(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(k, 1), ql, kl, scale=0.1)
-  jax.block_until_ready((o, o2))
+  o3 = co.forward_float(q, k, k, ql, kl, scale=0.1, is_causal=True, window=(40, None), scores="fp8")
+  jax.block_until_ready((o, o2, o3))
 print("tiny ok")
 PY
   TOOLS="memcheck racecheck"; has sanitize || TOOLS=memcheck
@@ -178,5 +181,27 @@ PY
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|tiny ok|Error|error" "$OUT/sanitize_$tool.log" | head -8
   done
+fi
+if has ncu; then
+  # Hardware counters of one forward launch per score path (B=2, T=S=8192, N=16, H=128): pipe
+  # utilisation (tensor, MUFU = xu, FMA, ALU) and warp stall reasons, to say what limits the kernel.
+  cat > /tmp/fa4_prof.py <<'PY'
+import jax, jax.numpy as jnp
+from jax_fa4 import _cuda_ops as co, mx
+B, T, N, H = 2, 8192, 16, 128
+ks = jax.random.split(jax.random.key(0), 3)
+q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+L = jnp.full((B,), T, jnp.int32)
+for sc in ("exact", "fp8"):
+  jax.block_until_ready(co.forward_mx(qm, km, vm, L, L, scale=H ** -0.5, scores=sc))
+print("prof ok")
+PY
+  log "ncu: fwd kernels, exact then fp8 scores"
+  timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:fwd_sm90 -c 2 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats \
+    --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed" \
+    $PY /tmp/fa4_prof.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "fwd_sm90|Duration|pipe_tensor|pipe_xu|pipe_fma|pipe_alu|issue_active|stalled_(long|short|wait|barrier|math|mio|lg|dispatch|no_inst|membar|branch|sleep|selected|not_sel|tex|drain|imc)|ERR|rror" "$OUT/ncu.txt" | head -80
 fi
 log "done"

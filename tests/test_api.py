@@ -221,11 +221,12 @@ def test_bad_mx_inputs():
 
 def test_unavailable_explicit_backend_raises():
   q, k, v = _arrays(B=2, T=8, S=8, N=4, K=2, H=64)
-  here = [b for b in ("cpu", "cuda") if backends.get(b).available()
+  here = [b for b in ("cpu", "cuda", "cuda_fp8") if backends.get(b).available()
           and jax.default_backend() == backends.get(b).platform]
-  if "cuda" not in here:
-    with pytest.raises(RuntimeError, match="implementation='cuda'"):
-      jax_fa4.dot_product_attention(q, k, v, implementation="cuda")
+  for name in ("cuda", "cuda_fp8"):
+    if name not in here:
+      with pytest.raises(RuntimeError, match=f"implementation='{name}'"):
+        jax_fa4.dot_product_attention(q, k, v, implementation=name)
   for b in here:
     with pytest.raises(ValueError, match=r"head_dim=48 must be one of \(64, 128, 256\)"):
       qq, kk, vv = _arrays(B=1, T=8, S=8, N=2, K=2, H=48)

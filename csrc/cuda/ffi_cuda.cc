@@ -150,14 +150,18 @@ ffi::Error PrepVImpl(cudaStream_t stream, ffi::AnyBuffer v, ffi::Buffer<ffi::U8>
 // ---------------------------------------------------------------------------------------------
 // fwd: q8 [..., T, N, H], qs [..., N, T], k8 [..., S, Kh, H], ks [..., Kh, S_pad], vt [..., Kh, H, S_pad],
 //      vs [..., Kh, H], q_len [...], kv_len [...]  ->  o [..., T, N, H] (f32/bf16/f16), lse [..., T, N] f32.
+// q8 and k8 e4m3: FP8 scores, with their row scales qs and ks. q8 and k8 bf16 (the dequantized MX
+// values): exact scores, and qs, ks must be empty.
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32> qs, ffi::AnyBuffer k8,
                    ffi::Buffer<ffi::F32> ks, ffi::AnyBuffer vt, ffi::Buffer<ffi::F32> vs,
                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal,
                    int64_t window_left, int64_t window_right, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  if (q8.element_type() != ffi::DataType::F8E4M3FN || k8.element_type() != ffi::DataType::F8E4M3FN ||
-      vt.element_type() != ffi::DataType::F8E4M3FN)
-    return ffi::Error::InvalidArgument("fwd: q8, k8 and vt must be float8_e4m3fn");
+  const bool exact = q8.element_type() == ffi::DataType::BF16;
+  const ffi::DataType qk_type = exact ? ffi::DataType::BF16 : ffi::DataType::F8E4M3FN;
+  if (q8.element_type() != qk_type || k8.element_type() != qk_type || vt.element_type() != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("fwd: q8 and k8 must both be float8_e4m3fn or both bfloat16, "
+                                       "vt float8_e4m3fn");
   FloatType ot;
   if (!float_type_of(o->element_type(), &ot)) return ffi::Error::InvalidArgument("fwd: o must be f32, bf16 or f16");
   Dims qd = q8.dimensions(), kd = k8.dimensions(), vd = vt.dimensions();
@@ -177,7 +181,8 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
     return ffi::Error::InvalidArgument("fwd: query heads " + std::to_string(N) + " not a multiple of kv heads " +
                                        std::to_string(Kh));
   if (S_pad % kSeqPad != 0 || S_pad < S) return ffi::Error::InvalidArgument("fwd: vt's S_pad is wrong");
-  if ((int64_t)qs.element_count() != B * N * T || (int64_t)ks.element_count() != B * Kh * S_pad ||
+  const int64_t qs_want = exact ? 0 : B * N * T, ks_want = exact ? 0 : B * Kh * S_pad;
+  if ((int64_t)qs.element_count() != qs_want || (int64_t)ks.element_count() != ks_want ||
       (int64_t)vs.element_count() != B * Kh * H || (int64_t)q_len.element_count() != B ||
       (int64_t)kv_len.element_count() != B)
     return ffi::Error::InvalidArgument("fwd: a scale or length buffer has the wrong size");
@@ -187,10 +192,11 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
     return ffi::Error::InvalidArgument("fwd: sizes exceed the kernel's grid");
   FwdArgs a{};
   a.B = (int)B; a.T = (int)T; a.S = (int)S; a.N = (int)N; a.Kh = (int)Kh; a.H = (int)H; a.S_pad = (int)S_pad;
+  a.exact_scores = exact;
   a.q8 = static_cast<const uint8_t*>(q8.untyped_data());
-  a.qs = qs.typed_data();
+  a.qs = exact ? nullptr : qs.typed_data();
   a.k8 = static_cast<const uint8_t*>(k8.untyped_data());
-  a.ks = ks.typed_data();
+  a.ks = exact ? nullptr : ks.typed_data();
   a.vt = static_cast<const uint8_t*>(vt.untyped_data());
   a.vs = vs.typed_data();
   a.q_len = q_len.typed_data();
@@ -248,10 +254,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaPrepV, PrepVImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaFwd, FwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()               // q8 [..., T, N, H] e4m3
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // qs [..., N, T]
-                                  .Arg<ffi::AnyBuffer>()               // k8 [..., S, Kh, H] e4m3
-                                  .Arg<ffi::Buffer<ffi::F32>>()        // ks [..., Kh, S_pad]
+                                  .Arg<ffi::AnyBuffer>()               // q8 [..., T, N, H] e4m3 (or bf16: exact scores)
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // qs [..., N, T] (empty for exact scores)
+                                  .Arg<ffi::AnyBuffer>()               // k8 [..., S, Kh, H] e4m3 (or bf16)
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // ks [..., Kh, S_pad] (empty for exact scores)
                                   .Arg<ffi::AnyBuffer>()               // vt [..., Kh, H, S_pad] e4m3
                                   .Arg<ffi::Buffer<ffi::F32>>()        // vs [..., Kh, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()        // q_len [...]

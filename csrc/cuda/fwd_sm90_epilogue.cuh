@@ -1,4 +1,4 @@
-// Epilogue of one consumer thread: O = acc * v_scale[d] / l, lse = ln(2) * (m*rf - 8 + log2(l)).
+// Epilogue of one consumer thread: O = acc * v_scale[d] / l, lse = ln(2) * m*rf + ln(l / 256).
 // Rows past q_len and fully masked rows (l == 0) give O = 0 and lse = -inf, never NaN.
 #pragma once
 #include <cuda_bf16.h>
@@ -20,7 +20,7 @@ __device__ __forceinline__ void store_o_pair(const FwdParams& p, int64_t off, fl
 
 // o: the thread's accumulator (layout of RowSoftmax); rows: the two global query rows.
 template <int H, int BN>
-__device__ __forceinline__ void epilogue(const FwdParams& p, const float* o, const float* m, const float* l,
+__device__ __forceinline__ void epilogue(const FwdParams& p, const float* o, const float* m, const double* l,
                                          const float* rf, const int* rows, int b, int n, int kh, int q_len,
                                          int tq) {
   const float* vs = p.vs + ((int64_t)b * p.Kh + kh) * H;
@@ -30,7 +30,7 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, const float* o, con
     if (t >= p.T) continue;
     // `!(l == 0)` rather than `l > 0`: a NaN row sum (NaN input) must give NaN output, not zeros.
     const bool live = (t < q_len) && !(l[r] == 0.f);
-    const float inv = live ? 1.f / l[r] : 0.f;
+    const float inv = live ? (float)(1.0 / l[r]) : 0.f;
     const int64_t row_off = (((int64_t)b * p.T + t) * p.N + n);
 #pragma unroll
     for (int j = 0; j < H / 8; ++j) {
@@ -41,7 +41,10 @@ __device__ __forceinline__ void epilogue(const FwdParams& p, const float* o, con
       store_o_pair<H>(p, row_off * H + d, a, c);
     }
     if (tq == 0) {
-      p.lse[row_off] = live ? 0.6931471805599453f * (m[r] * rf[r] - 8.f + log2f(l[r])) : -INFINITY;
+      // In fp64, rounded once: m*rf*ln2 + ln(l/256). (An fp32 ln2*(m*rf - 8 + log2 l) rounds at
+      // the ulp of log2(256 * sum P), several times coarser than the result's.) Once per row.
+      p.lse[row_off] = live ? (float)fma((double)(m[r] * rf[r]), 0.6931471805599453, log(l[r] * 0.00390625))
+                            : -INFINITY;
     }
   }
 }

@@ -48,19 +48,21 @@ constexpr CUtensorMapSwizzle swizzle_of(int bytes) {
   return bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
 }
 
-template <int H, bool kPipe>
+template <int H, bool kPipe, bool kExact>
 cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
-  using Cfg = TileConfig<H>;
+  using Cfg = TileConfig<H, kExact ? 2 : 1>;
+  // Q and K are described as bytes (uint8 maps): RB bytes per row, e4m3 or bf16 alike.
+  constexpr cuuint64_t RB = Cfg::kRowBytesQK;
   CUtensorMap tm_q, tm_k, tm_v;
   {  // Q [B, T, N, H]: box = one swizzle-width column chunk of 128 rows (query positions).
-    const cuuint64_t dims[4] = {(cuuint64_t)H, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
-    const cuuint64_t str[3] = {(cuuint64_t)a.N * H, (cuuint64_t)H, (cuuint64_t)a.T * a.N * H};
+    const cuuint64_t dims[4] = {RB, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.N * RB, RB, (cuuint64_t)a.T * a.N * RB};
     const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)sm90::kBlockM, 1, 1};
     if (auto e = make_map(&tm_q, a.q8, dims, str, box, swizzle_of(Cfg::kSwQK)); e != cudaSuccess) return e;
   }
   {  // K [B, S, Kh, H]: box = one column chunk of BN keys.
-    const cuuint64_t dims[4] = {(cuuint64_t)H, (cuuint64_t)a.S, (cuuint64_t)a.Kh, (cuuint64_t)a.B};
-    const cuuint64_t str[3] = {(cuuint64_t)a.Kh * H, (cuuint64_t)H, (cuuint64_t)a.S * a.Kh * H};
+    const cuuint64_t dims[4] = {RB, (cuuint64_t)a.S, (cuuint64_t)a.Kh, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.Kh * RB, RB, (cuuint64_t)a.S * a.Kh * RB};
     const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)Cfg::kBlockN, 1, 1};
     if (auto e = make_map(&tm_k, a.k8, dims, str, box, swizzle_of(Cfg::kSwQK)); e != cudaSuccess) return e;
   }
@@ -78,14 +80,14 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
   std::call_once(once[dev], [dev] {
-    errs[dev] = cudaFuncSetAttribute(sm90::fwd_sm90_kernel<H, kPipe>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    errs[dev] = cudaFuncSetAttribute(sm90::fwd_sm90_kernel<H, kPipe, kExact>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Cfg::kSmemBytes);
   });
   const cudaError_t attr_err = errs[dev];
   if (attr_err != cudaSuccess) return attr_err;
   p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
   dim3 grid(p.num_m_blocks, a.N, a.B);
-  sm90::fwd_sm90_kernel<H, kPipe><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
 
@@ -114,11 +116,21 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |4 single-level O (mainloop).
   p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
   if (p.pipelined & 6) p.pipelined |= 1;
-  const bool pipe = (p.pipelined & 1) != 0;  // experimental variants: H <= 128 only
+  const bool pipe = (p.pipelined & 1) != 0;  // experimental variants: FP8 scores, H <= 128 only
+  if (a.exact_scores) {
+    p.qk_promote = 0;
+    p.pipelined = 0;
+    switch (a.H) {
+      case 64: return launch_h<64, false, true>(a, p, stream);
+      case 128: return launch_h<128, false, true>(a, p, stream);
+      case 256: return launch_h<256, false, true>(a, p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (a.H) {
-    case 64: return pipe ? launch_h<64, true>(a, p, stream) : launch_h<64, false>(a, p, stream);
-    case 128: return pipe ? launch_h<128, true>(a, p, stream) : launch_h<128, false>(a, p, stream);
-    case 256: return launch_h<256, false>(a, p, stream);
+    case 64: return pipe ? launch_h<64, true, false>(a, p, stream) : launch_h<64, false, false>(a, p, stream);
+    case 128: return pipe ? launch_h<128, true, false>(a, p, stream) : launch_h<128, false, false>(a, p, stream);
+    case 256: return launch_h<256, false, false>(a, p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

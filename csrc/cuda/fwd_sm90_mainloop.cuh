@@ -4,8 +4,14 @@
 //   warpgroups 1, 2 (consumers): 64 query rows each. Per key tile: S = Q K^T (SS wgmma, fp8),
 //     scale by the per-key K scale, mask, online softmax (fp32, base 2, P*256 directly),
 //     P -> e4m3 in registers, O += P V (RS wgmma, P as the register A operand), release the stage.
-// The requantised operands come from mx_prep.cuh: Q and K rows on one power-of-two scale each,
-// V transposed to [B, K, H, S_pad] (S contiguous, K-major for the PV wgmma) on one scale per
+// Two score paths (kExact):
+//   FP8 scores (kExact = false): Q and K e4m3 from mx_prep.cuh, each row on one power-of-two scale;
+//     Q's scale folds into the softmax row factor, K's is one FMUL per score. Fastest, but FP8
+//     wgmma sums its products with fewer bits than fp32 (docs/HOPPER_FORWARD.md, "Accuracy").
+//   Exact scores (kExact = true): Q and K as bf16 holding the dequantized MX values (exact: an e4m3
+//     value times a power of two fits bf16), Q K^T on bf16 wgmma with fp32 sums; no Q/K scales.
+//     The contract's path: its scores are the recipe's up to fp32 summation order.
+// Both: V transposed to [B, K, H, S_pad] (S contiguous, K-major for the PV wgmma) on one scale per
 // head-dim column, which the epilogue applies.
 #pragma once
 #include <cuda.h>
@@ -23,11 +29,12 @@ namespace jax_fa4::sm90 {
 
 // kPipe selects the experimental overlapped consumer loop (a separate instantiation, so the default
 // kernel's register allocation does not carry the variants' pressure).
-template <int H, bool kPipe>
+template <int H, bool kPipe, bool kExact>
 __global__ void __launch_bounds__(kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
-  using Cfg = TileConfig<H>;
+  using Cfg = TileConfig<H, kExact ? 2 : 1>;
+  static_assert(!(kPipe && kExact), "the experimental overlapped loop exists for FP8 scores only");
   constexpr int BM = kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages;
   constexpr int SWQK = Cfg::kSwQK, SWV = Cfg::kSwV;
 
@@ -78,17 +85,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int c = 0; c < Cfg::kChunksQK; ++c)
         tma_load_4d(sQ + c * BM * SWQK, &tm_q, bar_q, c * SWQK, m0, n_head, b);
-      const float* ks_row = p.ks + ((int64_t)b * p.Kh + kh) * p.S_pad;
+      const float* ks_row = kExact ? nullptr : p.ks + ((int64_t)b * p.Kh + kh) * p.S_pad;
       for (int it = 0; it < n_tiles; ++it) {
         const int s = it % ST;
         const uint32_t phase = (it / ST) & 1;
         if (it >= ST) mbar_wait(&bar_empty[s], phase ^ 1);
         const int n = n_lo + it;
-        mbar_arrive_expect_tx(&bar_k[s], Cfg::kKBytes + BN * 4);
+        // Exact scores have no key scales: the stage is the K tile alone.
+        mbar_arrive_expect_tx(&bar_k[s], Cfg::kKBytes + (kExact ? 0 : BN * 4));
 #pragma unroll
         for (int c = 0; c < Cfg::kChunksQK; ++c)
           tma_load_4d(sK + s * Cfg::kKBytes + c * BN * SWQK, &tm_k, &bar_k[s], c * SWQK, n * BN, kh, b);
-        bulk_load(sKs + s * BN, ks_row + n * BN, BN * 4, &bar_k[s]);
+        if constexpr (!kExact) bulk_load(sKs + s * BN, ks_row + n * BN, BN * 4, &bar_k[s]);
         mbar_arrive_expect_tx(&bar_v[s], Cfg::kVBytes);
         tma_load_4d(sV + s * Cfg::kVBytes, &tm_v, &bar_v[s], n * BN, 0, kh, b);
       }
@@ -105,7 +113,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float rfv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float q_scale = rows[r] < p.T ? p.qs[((int64_t)b * p.N + n_head) * p.T + rows[r]] : 1.f;
+      float q_scale = 1.f;  // exact scores: the bf16 values carry their own scale
+      if constexpr (!kExact) q_scale = rows[r] < p.T ? p.qs[((int64_t)b * p.N + n_head) * p.T + rows[r]] : 1.f;
       float rf = q_scale * p.scale_log2;
       // A row on the smallest scale (2^-127) must not flush rf to zero: -inf * 0 would be NaN.
       rfv[r] = rf < 1.17549435e-38f ? 1.17549435e-38f : rf;  // (NaN stays NaN)
@@ -290,14 +299,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t k_base = smem_u32(sK + s * Cfg::kKBytes);
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
-      if (!p.qk_promote) {
+      if (kExact || !p.qk_promote) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < H / 32; ++kk) {
+        for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
           const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
           const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
           const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
-          Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
+          if constexpr (kExact) Wgmma<BN>::ss_bf16(sc, da, db, kk > 0 ? 1 : 0);
+          else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -329,16 +339,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
 
-      // Per-key scale of K (one FMUL per element: a per-tile scale would push small keys of a tile
-      // with an outlier key into e4m3's subnormals), then the mask on boundary tiles only.
-      const float* ksm = sKs + s * BN;
+      // FP8 scores: per-key scale of K (one FMUL per element: a per-tile scale would push small keys
+      // of a tile with an outlier key into e4m3's subnormals). Then the mask on boundary tiles only.
+      if constexpr (!kExact) {
+        const float* ksm = sKs + s * BN;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const float2 kv = *reinterpret_cast<const float2*>(ksm + j * 8 + tq * 2);
-        sc[j * 4 + 0] *= kv.x;
-        sc[j * 4 + 1] *= kv.y;
-        sc[j * 4 + 2] *= kv.x;
-        sc[j * 4 + 3] *= kv.y;
+        for (int j = 0; j < BN / 8; ++j) {
+          const float2 kv = *reinterpret_cast<const float2*>(ksm + j * 8 + tq * 2);
+          sc[j * 4 + 0] *= kv.x;
+          sc[j * 4 + 1] *= kv.y;
+          sc[j * 4 + 2] *= kv.x;
+          sc[j * 4 + 3] *= kv.y;
+        }
       }
       if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) {
 #pragma unroll

@@ -2,9 +2,18 @@
 //
 // Units: the wgmma gives acc = q8 . k8; x = acc * k_scale[j] is the score up to the per-row
 // factor rf = q_scale[i] * softmax_scale * log2(e) (> 0). The running max m is kept in x units,
-// so one FFMA per element gives  x*rf - m*rf + 8 = log2(P * 256):  exp2 of it is P*256, the
+// so one FFMA per element gives  x*rf - m*rf = log2(P), and exp2 of it times 256 is P*256, the
 // recipe's fixed P scale, ready for the e4m3 conversion. l accumulates these unquantised
 // values (l = 256 * sum P); the epilogue divides by it, which also removes the 256.
+//
+// l's precision: the lse of a flat row (every P ~ 1) is a log of its sum alone, so the sum's
+// rounding is the lse error, and the contract then asks for the recipe's fp32-floor accuracy.
+// A tile's 32 values per thread row are summed as a tree (8 partials, same op count as a chain),
+// and l is carried across tiles and the quad in fp64 (2 DFMA per row per tile: noise next to
+// the 64 elements' work). Seen on an H200 with an fp32 chain: lse error 3.8e-8 vs the recipe's
+// 2.1e-8 on flat rows. (Skipping rescales while the max grows little, FA4's trick, was tried
+// and dropped: with a stale max the dominant P of a peaked row no longer lands on 256, an exact
+// e4m3 value, and O's error on token outliers rose 1.3x past the bound.)
 #pragma once
 #include <cmath>
 #include "cuda/sm90_ptx.cuh"
@@ -16,13 +25,13 @@ struct RowSoftmax {
   // Accumulator layout (wgmma m64nBN, fp32): s[j*4 + e] is row gid, column j*8 + tq*2 + e;
   // s[j*4 + 2 + e] is row gid + 8 (j < BN/8, e < 2).
   static constexpr int kRegs = BN / 2;
-  float m[2];  // running max in x units (-inf until a finite score arrives)
-  float l[2];  // per-thread partial of 256 * sum P (the quad's 4 partials are added at the end)
+  float m[2];   // running max in x units (-inf until a finite score arrives)
+  double l[2];  // per-thread partial of 256 * sum P (the quad's 4 partials are added at the end)
   float rf[2];
 
   __device__ __forceinline__ void init(float rf0, float rf1) {
     m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.f;
+    l[0] = l[1] = 0.0;
     rf[0] = rf0;
     rf[1] = rf1;
   }
@@ -50,23 +59,35 @@ struct RowSoftmax {
       } else {
         // m[r] = -inf gives exp2(-inf) = 0: O and l are still zero then, any factor is fine.
         alpha[r] = exp2_approx((m[r] - mx[r]) * rf[r]);
-        bias[r] = 8.f - mx[r] * rf[r];
+        bias[r] = -mx[r] * rf[r];
       }
       m[r] = mx[r];
     }
-    float sum[2] = {0.f, 0.f};
+    constexpr int kPart = (BN / 8 >= 8) ? 8 : BN / 8;  // tree partials per row
+    static_assert((BN / 8) % kPart == 0, "tile columns must split evenly over the partial sums");
+    float part[2][kPart];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1;
-        float p = exp2_approx(fmaf(s[j * 4 + e], rf[r], bias[r]));
+        // exp2 of x*rf - m*rf, then * 256 (exact). Folding the 256 into the exponent as "+ 8"
+        // would round the argument at ulp(8) = 2^-20: P off by up to 3e-7 near the row max,
+        // which was the lse error of short flat rows on an H200 (4.2e-8 vs the recipe's 3.4e-8).
+        float p = exp2_approx(fmaf(s[j * 4 + e], rf[r], bias[r])) * 256.f;
         s[j * 4 + e] = p;
-        sum[r] += p;
+        if (j < kPart && (e & 1) == 0) part[r][j] = p;
+        else part[r][j % kPart] += p;
       }
     }
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int w = kPart / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int i = 0; i < w; ++i) part[r][i] += part[r][i + w];
+      l[r] = fma(l[r], (double)alpha[r], (double)part[r][0]);
+    }
     alpha0 = alpha[0];
     alpha1 = alpha[1];
   }
@@ -75,7 +96,7 @@ struct RowSoftmax {
   __device__ __forceinline__ void finish() {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);  // (the fp64 overload: two 32-bit shuffles)
       l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
   }

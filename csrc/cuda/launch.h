@@ -24,10 +24,11 @@ cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t
 
 struct FwdArgs {
   int B, T, S, N, Kh, H, S_pad;
-  const uint8_t* q8;     // [B, T, N, H]
-  const float* qs;       // [B, N, T]
-  const uint8_t* k8;     // [B, S, Kh, H]
-  const float* ks;       // [B, Kh, S_pad]
+  bool exact_scores;     // q8/k8 hold bf16 dequantized MX values (Q K^T on bf16 wgmma); qs, ks unused
+  const uint8_t* q8;     // [B, T, N, H] e4m3, or bf16 when exact_scores
+  const float* qs;       // [B, N, T] (FP8 scores only)
+  const uint8_t* k8;     // [B, S, Kh, H] e4m3, or bf16 when exact_scores
+  const float* ks;       // [B, Kh, S_pad] (FP8 scores only)
   const uint8_t* vt;     // [B, Kh, H, S_pad]
   const float* vs;       // [B, Kh, H]
   const int32_t* q_len;  // [B]

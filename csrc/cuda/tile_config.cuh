@@ -26,27 +26,38 @@ static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThr
 //   H<=128: BN=128 -> O 64 + S 64 + P 16 = 144 registers.
 //   H=256 : BN=128 would need O 128 + S 64 + P 16 = 208 plus addressing: too close to 240, so
 //           BN=64 -> O 128 + S 32 + P 8 = 168.
-template <int H> struct TileConfig {
+// kQKBytes: bytes per Q/K element in shared memory. 1 = e4m3 (the FP8 score path); 2 = bf16 holding
+// the dequantized MX values exactly (the exact-score path: Q K^T on bf16 wgmma, fp32-exact sums).
+// Either way one wgmma k-step consumes 32 bytes of a row (k32 e4m3 or k16 bf16), so the swizzled
+// layout, the descriptors and their per-step advance are the same code with rows kQKBytes*H long.
+template <int H, int kQKBytes = 1> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
+  static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
   static constexpr int kHeadDim = H;
+  static constexpr bool kExactScores = kQKBytes == 2;
+  static constexpr int kRowBytesQK = H * kQKBytes;  // one Q or K row in shared memory
+  static constexpr int kStepsQK = kRowBytesQK / 32;  // wgmma k-steps of Q K^T
   static constexpr int kBlockN = (H == 256) ? 64 : 128;
-  // Shared memory per stage: K tile BN*H bytes + V^T tile H*BN bytes + BN fp32 key scales.
-  // Stages: enough to keep 2 tiles in flight ahead of the consumers; bounded by 227 KB.
-  static constexpr int kStages = (H == 64) ? 4 : (H == 128 ? 3 : 3);
-  // Swizzle width of the Q and K tiles (rows of H bytes, e4m3): 128B swizzle needs 128-byte rows,
-  // so H=256 is split into two 128-byte column chunks; H=64 uses the 64B swizzle.
-  static constexpr int kSwQK = (H >= 128) ? 128 : 64;
-  static constexpr int kChunksQK = H / kSwQK;
+  // Shared memory per stage: K tile BN*H*kQKBytes bytes + V^T tile H*BN bytes + BN fp32 key scales.
+  // Stages: enough to keep 2 tiles in flight ahead of the consumers; bounded by 227 KB
+  // (H = 256 exact: 64 KB Q + 3 x 48 KB stages = 208 KB).
+  static constexpr int kStages = (H == 64) ? 4 : 3;
+  // Swizzle width of the Q and K tiles: 128B swizzle needs rows of >= 128 bytes, so longer rows
+  // (H=256 e4m3, H>=128 bf16) are split into 128-byte column chunks; 64-byte rows (H=64 e4m3) use
+  // the 64B swizzle.
+  static constexpr int kSwQK = (kRowBytesQK >= 128) ? 128 : 64;
+  static constexpr int kChunksQK = kRowBytesQK / kSwQK;
   // Swizzle of the V^T tile: its rows are BN keys (bytes) long.
   static constexpr int kSwV = kBlockN;  // 128 or 64
-  static constexpr int kQBytes = kBlockM * H;
-  static constexpr int kKBytes = kBlockN * H;
+  static constexpr int kQBytes = kBlockM * kRowBytesQK;
+  static constexpr int kKBytes = kBlockN * kRowBytesQK;
   static constexpr int kVBytes = H * kBlockN;
   static constexpr int kSmemBytes =
       1024 /*alignment slack*/ + kQBytes + kStages * (kKBytes + kVBytes) + kStages * kBlockN * 4 + 256 /*barriers*/;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM exceeded");
   static_assert(kBlockN % 32 == 0, "wgmma fp8 consumes 32 keys per instruction");
-  static_assert(H % 32 == 0, "wgmma fp8 consumes 32 head dims per instruction");
+  static_assert(kRowBytesQK % 32 == 0, "a Q K^T wgmma k-step consumes 32 bytes of each row");
+  static_assert(kRowBytesQK % kSwQK == 0, "Q/K rows must be whole swizzle chunks");
   static_assert(H <= 256, "the PV wgmma has N = H and N <= 256");
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
                 "swizzled tiles must stay 1024-byte aligned");
