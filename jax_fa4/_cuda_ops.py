@@ -10,8 +10,8 @@ The forward pass is a few FFI calls (so XLA owns every intermediate buffer). Two
 Both: ``prep_v`` transposes V to [B, K, H, S_pad] (S contiguous, keys permuted inside 16-key groups
 to match the kernel's P registers) on one scale per head-dim column over the valid keys, and ``fwd``
 is the FA3-style warp-specialised kernel, P V on FP8 wgmma.
-From float inputs, Q and K are quantized inside ``prep_rows`` (fp8) or by the GPU MX quantizer
-(exact), V by the MX quantizer; the result is bit-identical to ``forward_mx`` on
+From float inputs, Q and K are quantized inside ``prep_rows`` (fp8) or ``exact_rows`` (exact), V by
+the GPU MX quantizer; the result is bit-identical to ``forward_mx`` on
 ``jax_fa4.mx.quantize``'d inputs.
 
 Every call works under ``jax.jit`` and ``jax.vmap``: the handlers fold any leading dims into the batch
@@ -39,6 +39,8 @@ _T_QUANTIZE = "jax_fa4_cuda_quantize"
 _T_PREP_ROWS_MX = "jax_fa4_cuda_prep_rows_mx"
 _T_PREP_ROWS_FLOAT = "jax_fa4_cuda_prep_rows_float"
 _T_PREP_V = "jax_fa4_cuda_prep_v"
+_T_EXACT_ROWS_MX = "jax_fa4_cuda_exact_rows_mx"
+_T_EXACT_ROWS_FLOAT = "jax_fa4_cuda_exact_rows_float"
 _T_FWD = "jax_fa4_cuda_fwd"
 
 
@@ -197,14 +199,23 @@ def _check_scores(scores):
 
 
 def _exact_rows(x: mx.MXArray):
-  """The exact-score path's Q/K operand: the dequantized MX values in bf16.
+  """The exact-score path's Q/K operand: the dequantized MX values in bf16 (a CUDA kernel, bit for
+  bit ``x.dequantize(jnp.bfloat16)``).
 
   Exact: an e4m3 value (4 significant bits) times a power of two is a bf16 value with the same
   exponent range as fp32, except below 2^-130, where bf16's subnormals run out of bits before
   fp32's do (block scales under 2^-124: inputs of magnitude ~1e-35). The row scales are unused,
   so they are passed empty.
   """
-  return x.dequantize(jnp.bfloat16), jnp.zeros((0,), jnp.float32)
+  out = jax.ShapeDtypeStruct(x.data.shape, jnp.bfloat16)
+  q = jax.ffi.ffi_call(_T_EXACT_ROWS_MX, out, vmap_method="broadcast_all")(x.data, mx.e8m0_to_bytes(x.scale))
+  return q, jnp.zeros((0,), jnp.float32)
+
+
+def _exact_rows_float(x):
+  """As :func:`_exact_rows` of ``mx.quantize(x, -1)``, from floats in one pass."""
+  out = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+  return jax.ffi.ffi_call(_T_EXACT_ROWS_FLOAT, out, vmap_method="broadcast_all")(x), jnp.zeros((0,), jnp.float32)
 
 
 def _fwd(q8, qs, k8, ks, vt, vs, q_len, kv_len, *, scale, is_causal, window, out_dtype):
@@ -289,8 +300,8 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
   """As :func:`forward_mx` from bf16/f16/f32 inputs q [B,T,N,H], k, v [B,S,K,H].
 
   Bit-identical to ``forward_mx(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1), ...)``:
-  Q and K are quantized by the GPU MX quantizer (exact scores) or inside the row-prep kernel
-  (fp8 scores), V by the GPU MX quantizer.
+  Q and K are quantized inside the row-prep kernels (``exact_rows`` or ``prep_rows``), V by the GPU
+  MX quantizer.
   """
   _check_scores(scores)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -309,7 +320,7 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
     return _empty_result(B, T, N, H, out_dtype)
   s_pad = _s_pad(S)
   if scores == "exact":
-    (q8, qs), (k8, ks) = _exact_rows(quantize(q, 3)), _exact_rows(quantize(k, 3))
+    (q8, qs), (k8, ks) = _exact_rows_float(q), _exact_rows_float(k)
   else:
     q8, qs = _prep_rows_float(q, T)
     k8, ks = _prep_rows_float(k, s_pad)

@@ -167,6 +167,28 @@ def test_prep_rows_exact():
   np.testing.assert_array_equal(np.asarray(qsf), np.asarray(qs))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_exact_rows_bit_exact(dtype):
+  # The exact-score operand: bf16 of the dequantized MX values, from MX and from float inputs.
+  rng = np.random.default_rng(_SEED)
+  shape = (2, 37, 3, 128)
+  x = (rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, size=shape))).astype(np.float32)
+  x = jnp.asarray(_special(x, rng) if dtype == jnp.float32 else x, dtype)
+  want = mx.quantize(x, 3).dequantize(jnp.bfloat16)
+  got_mx, qs = _ops()._exact_rows(mx.quantize(x, 3))
+  got_f, _ = _ops()._exact_rows_float(x)
+  assert got_mx.dtype == got_f.dtype == jnp.bfloat16 and qs.shape == (0,)
+
+  def same_bits(a, b):  # bit for bit, except that any NaN payload matches any other
+    a, b = (np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint16)) for t in (a, b))
+    nan = lambda u: ((u & 0x7F80) == 0x7F80) & ((u & 0x7F) != 0)
+    np.testing.assert_array_equal(nan(a), nan(b))
+    np.testing.assert_array_equal(np.where(nan(a), 0, a), np.where(nan(b), 0, b))
+
+  same_bits(got_mx, want)
+  same_bits(got_f, want)
+
+
 def test_prep_v_layout():
   B, S, K, H = 2, 200, 2, 64
   _, _, v = make_qkv("token_outliers", B, 1, S, K, K, H, seed=_SEED)

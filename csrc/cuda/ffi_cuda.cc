@@ -118,6 +118,38 @@ ffi::Error PrepRowsFloatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<
 }
 
 // ---------------------------------------------------------------------------------------------
+// exact_rows: x [..., HD] (e4m3 with scale [..., HD/32], or f32/bf16/f16) -> out [..., HD] bf16,
+// the dequantized MX values blocked along the last axis (the exact-score path's Q and K).
+ffi::Error ExactRowsCommon(cudaStream_t stream, ffi::AnyBuffer x, int float_type, const uint8_t* xs,
+                           int64_t xs_count, ffi::AnyBuffer out) {
+  Dims d = x.dimensions();
+  JAX_FA4_RETURN_IF_ERROR(check_rank(d, 1, "exact_rows: x"));
+  const int64_t HD = d[d.size() - 1], n = (int64_t)x.element_count();
+  if (HD % 32 != 0)
+    return ffi::Error::InvalidArgument("exact_rows: last axis " + std::to_string(HD) + " is not a multiple of 32");
+  if (out.element_type() != ffi::DataType::BF16 || (int64_t)out.element_count() != n)
+    return ffi::Error::InvalidArgument("exact_rows: out must be bfloat16 shaped like x " + dims_str(d));
+  if (xs != nullptr && xs_count != n / 32)
+    return ffi::Error::InvalidArgument("exact_rows: scale has the wrong size for x " + dims_str(d));
+  return cuda_error(launch_exact_rows(x.untyped_data(), float_type, xs, out.untyped_data(), n, stream),
+                    "jax_fa4 exact_rows kernel");
+}
+
+ffi::Error ExactRowsMxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> xs,
+                           ffi::Result<ffi::AnyBuffer> out) {
+  if (x.element_type() != ffi::DataType::F8E4M3FN)
+    return ffi::Error::InvalidArgument("exact_rows_mx: x must be float8_e4m3fn");
+  return ExactRowsCommon(stream, x, -1, xs.typed_data(), (int64_t)xs.element_count(), *out);
+}
+
+ffi::Error ExactRowsFloatImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  FloatType ft;
+  if (!float_type_of(x.element_type(), &ft))
+    return ffi::Error::InvalidArgument("exact_rows_float: x must be f32, bf16 or f16");
+  return ExactRowsCommon(stream, x, (int)ft, nullptr, 0, *out);
+}
+
+// ---------------------------------------------------------------------------------------------
 // prep_v: v [..., S, Kh, HD] e4m3, vscale [..., ceil(S/32), Kh, HD] u8, kv_len [...] s32
 //   -> vt [..., Kh, HD, S_pad] e4m3, vs [..., Kh, HD] f32.
 ffi::Error PrepVImpl(cudaStream_t stream, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> vscale,
@@ -239,6 +271,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaPrepRowsFloat, PrepRowsFloatImpl,
                                   .Arg<ffi::AnyBuffer>()               // x [..., L, NH, HD] f32/bf16/f16
                                   .Ret<ffi::AnyBuffer>()               // quantised + requantised rows, e4m3
                                   .Ret<ffi::Buffer<ffi::F32>>(),       // row scales [..., NH, L_pad]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaExactRowsMx, ExactRowsMxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [..., HD] e4m3
+                                  .Arg<ffi::Buffer<ffi::U8>>()         // x's block scales [..., HD/32]
+                                  .Ret<ffi::AnyBuffer>(),              // bf16 [..., HD], dequantized
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaExactRowsFloat, ExactRowsFloatImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [..., HD] f32/bf16/f16
+                                  .Ret<ffi::AnyBuffer>(),              // bf16 [..., HD], quantized + dequantized
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaPrepV, PrepVImpl,

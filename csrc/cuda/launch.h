@@ -22,6 +22,12 @@ cudaError_t launch_prep_rows(const void* x, int float_type /* -1: MX input */, c
 cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t* kv_len, uint8_t* vt, float* vs,
                           int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream);
 
+// The exact-score Q/K operand: x [n] blocked along its last axis (n and that axis multiples of 32),
+// e4m3 with block scales xs [n/32] (float_type -1) or floats -> out [n] bf16, the dequantized MX
+// values (bit for bit mx.quantize(x).dequantize(bfloat16)).
+cudaError_t launch_exact_rows(const void* x, int float_type, const uint8_t* xs, void* out, int64_t n,
+                              cudaStream_t stream);
+
 struct FwdArgs {
   int B, T, S, N, Kh, H, S_pad;
   bool exact_scores;     // q8/k8 hold bf16 dequantized MX values (Q K^T on bf16 wgmma); qs, ks unused

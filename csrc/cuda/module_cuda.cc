@@ -10,6 +10,8 @@ extern "C" {
 XLA_FFI_Error* JaxFa4CudaQuantize(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaPrepRowsMx(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaPrepRowsFloat(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaExactRowsMx(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaExactRowsFloat(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaPrepV(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaFwd(XLA_FFI_CallFrame*);
 }
@@ -27,6 +29,8 @@ NB_MODULE(_jax_fa4_cuda, m) {
     d["jax_fa4_cuda_quantize"] = capsule(JaxFa4CudaQuantize);
     d["jax_fa4_cuda_prep_rows_mx"] = capsule(JaxFa4CudaPrepRowsMx);
     d["jax_fa4_cuda_prep_rows_float"] = capsule(JaxFa4CudaPrepRowsFloat);
+    d["jax_fa4_cuda_exact_rows_mx"] = capsule(JaxFa4CudaExactRowsMx);
+    d["jax_fa4_cuda_exact_rows_float"] = capsule(JaxFa4CudaExactRowsFloat);
     d["jax_fa4_cuda_prep_v"] = capsule(JaxFa4CudaPrepV);
     d["jax_fa4_cuda_fwd"] = capsule(JaxFa4CudaFwd);
     return d;

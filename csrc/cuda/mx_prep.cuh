@@ -306,4 +306,95 @@ __global__ void prep_v_transpose_kernel(const uint8_t* __restrict__ v, const uin
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The exact-score path's Q/K operand: rows blocked along their last axis (32 | H) as bf16 holding
+// the dequantized MX values (exact: an e4m3 value times a power of two is a bf16 value, bf16 having
+// fp32's exponent range). From MX input (kFromFloat = false) or from floats, quantized on the way
+// with quantize_mx_kernel's arithmetic, so both give bit for bit mx.quantize(x).dequantize(bf16).
+// Each thread handles 8 consecutive elements, so a warp reads and writes contiguous bytes (the
+// one-thread-per-block layout of quantize_mx_kernel strides its accesses by 32 elements); the 4
+// threads of a block combine their amax with two shuffles.
+constexpr int kExactPer = 8;
+
+// x * 2^(byte - 127) exactly as mx.dequantize: two normal power-of-two factors; NaN for byte 255.
+__device__ __forceinline__ float scale_up(float x, uint32_t byte) {
+  if (byte == 255u) return __int_as_float(0x7fc00000);
+  const int e = (int)byte - 127;                     // in [-127, 127]
+  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2), as mx._pow2_factors
+  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e - e1));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two words of packed e4m3 (8 elements) on scale `byte` -> 8 bf16 (one 16-byte store).
+__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w0, uint32_t w1, uint32_t byte) {
+  uint32_t o[4];
+  const uint32_t w[2] = {w0, w1};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float2 a = e4m3x2_to_float2((uint16_t)(w[i] & 0xffffu));
+    const float2 b = e4m3x2_to_float2((uint16_t)(w[i] >> 16));
+    o[2 * i + 0] = bf16x2_bits(scale_up(a.x, byte), scale_up(a.y, byte));
+    o[2 * i + 1] = bf16x2_bits(scale_up(b.x, byte), scale_up(b.y, byte));
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <typename T, bool kFromFloat>
+__global__ void exact_rows_kernel(const T* __restrict__ x, const uint8_t* __restrict__ xs,
+                                  uint4* __restrict__ out, int64_t n_groups) {
+  const int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;  // group of 8 elements
+  // n_groups is a multiple of 4 (whole 32-element blocks), so all 4 threads of a block are live
+  // together and the shuffles below see their partners.
+  if (g >= n_groups) return;
+  uint32_t w0, w1, byte;
+  if constexpr (!kFromFloat) {
+    const uint2 v = reinterpret_cast<const uint2*>(x)[g];
+    w0 = v.x;
+    w1 = v.y;
+    byte = xs[g / 4];
+  } else {
+    float v[kExactPer];
+    constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte load
+#pragma unroll
+    for (int c = 0; c < kExactPer / kVec; ++c) {
+      const uint4 u = reinterpret_cast<const uint4*>(x + g * kExactPer)[c];
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) v[c * kVec + k] = to_f32(e[k]);
+    }
+    float amax = 0.f;
+    bool nan = false;
+#pragma unroll
+    for (int k = 0; k < kExactPer; ++k) {
+      nan |= (v[k] != v[k]);
+      amax = fmaxf(amax, fabsf(v[k]));
+    }
+    const unsigned mask = __activemask();
+#pragma unroll
+    for (int d = 1; d <= 2; d *= 2) {
+      // Both shuffles unconditionally: a short-circuit `nan || shfl(...)` skipped the shuffle in
+      // lanes already holding a NaN, so their partners read an undefined value (seen on an H200:
+      // half of a NaN block came out finite).
+      const float other_amax = __shfl_xor_sync(mask, amax, d);
+      const int other_nan = __shfl_xor_sync(mask, (int)nan, d);
+      amax = fmaxf(amax, other_amax);
+      nan = nan || (other_nan != 0);
+    }
+    byte = scale_byte_from_amax(nan ? __int_as_float(0x7fc00000) : amax);
+    if (byte == 255u) {
+      w0 = w1 = 0x7f7f7f7fu;
+    } else {
+      w0 = (uint32_t)cvt_e4m3x2(scale_down(v[0], byte), scale_down(v[1], byte)) |
+           ((uint32_t)cvt_e4m3x2(scale_down(v[2], byte), scale_down(v[3], byte)) << 16);
+      w1 = (uint32_t)cvt_e4m3x2(scale_down(v[4], byte), scale_down(v[5], byte)) |
+           ((uint32_t)cvt_e4m3x2(scale_down(v[6], byte), scale_down(v[7], byte)) << 16);
+    }
+  }
+  out[g] = dequant8_bf16(w0, w1, byte);
+}
+
 }  // namespace jax_fa4::prep

@@ -88,4 +88,34 @@ cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t
   return cudaGetLastError();
 }
 
+cudaError_t launch_exact_rows(const void* x, int float_type, const uint8_t* xs, void* out, int64_t n,
+                              cudaStream_t stream) {
+  if (n % 32 != 0) return cudaErrorInvalidValue;  // whole blocks along the last axis
+  const int64_t groups = n / prep::kExactPer;
+  if (groups == 0) return cudaSuccess;
+  if (blocks_for(groups) > 0x7fffffffu) return cudaErrorInvalidValue;
+  uint4* o = static_cast<uint4*>(out);
+  switch (float_type) {
+    case -1:
+      prep::exact_rows_kernel<uint8_t, false><<<blocks_for(groups), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const uint8_t*>(x), xs, o, groups);
+      break;
+    case (int)FloatType::kF32:
+      prep::exact_rows_kernel<float, true><<<blocks_for(groups), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const float*>(x), nullptr, o, groups);
+      break;
+    case (int)FloatType::kBF16:
+      prep::exact_rows_kernel<__nv_bfloat16, true><<<blocks_for(groups), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), nullptr, o, groups);
+      break;
+    case (int)FloatType::kF16:
+      prep::exact_rows_kernel<__half, true><<<blocks_for(groups), kThreadsPerBlock, 0, stream>>>(
+          static_cast<const __half*>(x), nullptr, o, groups);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace jax_fa4::cuda
