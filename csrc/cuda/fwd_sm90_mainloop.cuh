@@ -157,25 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto softmax_tile = [&](int stage, int n, float& a0, float& a1) {
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
-          const float* ksm = sKs + stage * BN;
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            const float2 kv = *reinterpret_cast<const float2*>(ksm + j * 8 + tq * 2);
-            sc[j * 4 + 0] *= kv.x;
-            sc[j * 4 + 1] *= kv.y;
-            sc[j * 4 + 2] *= kv.x;
-            sc[j * 4 + 3] *= kv.y;
-          }
-          if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) {
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int key = n * BN + j * 8 + tq * 2 + (e & 1);
-                if (!key_allowed(rows[e >> 1], key, kv_len, p.mask)) sc[j * 4 + e] = -INFINITY;
-              }
-            }
-          }
+          scale_by_keys<BN>(sc, sKs + stage * BN, tq);
+          if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) mask_tile<BN>(sc, rows, n, kv_len, p.mask, tq);
           sm.step(sc, a0, a1);
         };
         // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = this overlapped loop; 2 = also ping-pong the two
@@ -341,27 +324,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       // FP8 scores: per-key scale of K (one FMUL per element: a per-tile scale would push small keys
       // of a tile with an outlier key into e4m3's subnormals). Then the mask on boundary tiles only.
-      if constexpr (!kExact) {
-        const float* ksm = sKs + s * BN;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const float2 kv = *reinterpret_cast<const float2*>(ksm + j * 8 + tq * 2);
-          sc[j * 4 + 0] *= kv.x;
-          sc[j * 4 + 1] *= kv.y;
-          sc[j * 4 + 2] *= kv.x;
-          sc[j * 4 + 3] *= kv.y;
-        }
-      }
-      if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) {
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n * BN + j * 8 + tq * 2 + (e & 1);
-            if (!key_allowed(rows[e >> 1], key, kv_len, p.mask)) sc[j * 4 + e] = -INFINITY;
-          }
-        }
-      }
+      if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + s * BN, tq);
+      if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) mask_tile<BN>(sc, rows, n, kv_len, p.mask, tq);
       float alpha0, alpha1;
       sm.step(sc, alpha0, alpha1);
       uint32_t pa[BN / 32][4];

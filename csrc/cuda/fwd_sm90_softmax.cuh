@@ -16,9 +16,36 @@
 // e4m3 value, and O's error on token outliers rose 1.3x past the bound.)
 #pragma once
 #include <cmath>
+#include "cuda/mask.cuh"
 #include "cuda/sm90_ptx.cuh"
 
 namespace jax_fa4::sm90 {
+
+// FP8 scores: x = acc * k_scale[key] for this thread's keys (accumulator layout of RowSoftmax).
+template <int BN>
+__device__ __forceinline__ void scale_by_keys(float* s, const float* key_scales, int tq) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const float2 kv = *reinterpret_cast<const float2*>(key_scales + j * 8 + tq * 2);
+    s[j * 4 + 0] *= kv.x;
+    s[j * 4 + 1] *= kv.y;
+    s[j * 4 + 2] *= kv.x;
+    s[j * 4 + 3] *= kv.y;
+  }
+}
+
+// -inf for this thread's scores of key tile n that the mask removes (boundary tiles only).
+template <int BN>
+__device__ __forceinline__ void mask_tile(float* s, const int* rows, int n, int kv_len, MaskParams mk, int tq) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = n * BN + j * 8 + tq * 2 + (e & 1);
+      if (!key_allowed(rows[e >> 1], key, kv_len, mk)) s[j * 4 + e] = -INFINITY;
+    }
+  }
+}
 
 template <int BN>
 struct RowSoftmax {
