@@ -1,0 +1,149 @@
+"""Which attention products tolerate Hopper's FP8 wgmma accumulation? A CPU simulation.
+
+Model of an FP8 wgmma k32 step (an assumption, calibrated below against the H200 forward): the 32
+exact products and the running accumulator are aligned to the largest exponent among them and
+truncated toward zero to `bits` bits below it, then summed; the accumulator is fp32.
+
+1. Calibration: the FP8-score forward (Q K^T through the model, the rest as the recipe) against
+   the H200 measurements of docs/HOPPER_FORWARD.md (lse rel. error 2.6e-4 and O error 2.84x the
+   recipe's on channel outliers, T=S=1024 H=128 causal; O 1.19x on token outliers).
+2. Backward: the recipe of NUMERICS.md section 3 with S and/or dP through the model, against the
+   float64 gradients, next to the recipe itself: the ratio the contract caps at 1.05.
+
+  python3 scripts/sim_fp8_accumulation.py [--bits 13] [--T 256]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+from contract import make_do, make_qkv  # noqa: E402
+from jax_fa4 import mx  # noqa: E402
+
+
+def fp8_acc_dot(a, b, bits, k=32):
+  """a [T, H] @ b [S, H]^T with the model's accumulation (float64 in, fp32 out)."""
+  prods = a[:, None, :] * b[None, :, :]
+  acc = np.zeros(prods.shape[:2])
+  for g in range(0, a.shape[1], k):
+    vals = np.concatenate([acc[..., None], prods[..., g:g + k]], axis=-1)
+    mag = np.max(np.abs(vals), axis=-1, keepdims=True)
+    e = np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    ulp = np.exp2(e - bits)
+    acc = np.trunc(vals / ulp).sum(-1) * ulp[..., 0]
+    acc = acc.astype(np.float32).astype(np.float64)
+  return acc
+
+
+def exact_dot(a, b):
+  return (a.astype(np.float64) @ b.astype(np.float64).T).astype(np.float32).astype(np.float64)
+
+
+def e4m3(x):
+  """Round to e4m3, saturating like the kernels' cvt.rn.satfinite (a recomputed P can exceed 1)."""
+  x = np.clip(np.asarray(x, np.float32), -448.0, 448.0)
+  return x.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def deq(x, axis):
+  return np.asarray(mx.quantize(jnp.asarray(x, jnp.float32), axis).dequantize(), np.float64)
+
+
+def rel(x, t):
+  return float(np.linalg.norm(x - t) / np.linalg.norm(t))
+
+
+def causal_keep(T, S):
+  return np.tril(np.ones((T, S), bool), S - T)
+
+
+def forward(qd, kd, vd, scale, keep, sdot):
+  s = np.where(keep, sdot(qd, kd) * scale, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  o = (e4m3(p * 256) / 256) @ vd / l
+  return o, (m + np.log(l))[:, 0]
+
+
+def truth(qd, kd, vd, do, scale, keep):
+  s = np.where(keep, qd @ kd.T * scale, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  p = p / l
+  o = p @ vd
+  dp = do @ vd.T
+  ds = p * (dp - (o * do).sum(-1, keepdims=True))
+  return o, (m + np.log(l))[:, 0], ds @ kd * scale, ds.T @ qd * scale, p.T @ do
+
+
+def backward(q, k, v, do, o_bf16, lse, scale, keep, sdot, pdot):
+  """The recipe of NUMERICS.md section 3 for one head; sdot/pdot compute S and dP."""
+  q_h, k_h, v_h, do_h = deq(q, -1), deq(k, -1), deq(v, -1), deq(do, -1)
+  q_t, k_s, do_t = deq(q, 0), deq(k, 0), deq(do, 0)
+  delta = (o_bf16 * np.asarray(jnp.asarray(do, jnp.bfloat16), np.float64)).sum(-1, keepdims=True)
+  s = np.where(keep, sdot(q_h, k_h) * scale, -np.inf)
+  p = np.exp(s - lse[:, None])
+  dv = (e4m3(p * 256) / 256).T @ do_t
+  dp = pdot(do_h, v_h)
+  ds = p * (dp - delta)
+  ds_s = deq(ds, 1)  # blocked along S (dQ's contraction)
+  ds_t = deq(ds, 0)  # blocked along T (dK's)
+  return ds_s @ k_s * scale, ds_t.T @ q_t * scale, dv
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--bits", type=int, nargs="+", default=[12, 13, 14])
+  ap.add_argument("--T", type=int, default=256)
+  args = ap.parse_args(argv)
+  jax.config.update("jax_platforms", "cpu")
+  H, T = 128, args.T
+  scale = H ** -0.5
+  print(f"forward calibration, T=S={T}, H={H}, causal (H200 measured at T=S=1024: channel outliers "
+        f"lse 2.6e-4, O x2.84; token outliers lse 1.1e-4, O x1.19)")
+  for kind in ("channel_outliers", "token_outliers", "normal"):
+    q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, T, 1, 1, H, seed=3))
+    qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
+    keep = causal_keep(T, T)
+    o_t, l_t, *_ = truth(qd, kd, vd, np.zeros_like(qd), scale, keep)
+    o_r, l_r = forward(qd, kd, vd, scale, keep, exact_dot)
+    line = f"  {kind:>16}: recipe O {rel(o_r, o_t):.2e} lse {rel(l_r, l_t):.1e}"
+    for bits in args.bits:
+      o_m, l_m = forward(qd, kd, vd, scale, keep, lambda a, b: fp8_acc_dot(a, b, bits))
+      line += f" | bits={bits}: O x{rel(o_m, o_t) / rel(o_r, o_t):.2f} lse {rel(l_m, l_t):.1e}"
+    print(line, flush=True)
+
+  print(f"backward: rel. error vs float64 gradients, model / recipe (the contract allows 1.05)")
+  for kind, do_kind in (("normal", "normal"), ("channel_outliers", "varying"),
+                        ("token_outliers", "normal"), ("tiny", "varying")):
+    q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, T, 1, 1, H, seed=5))
+    do = make_do(do_kind, 1, T, 1, H, seed=6)[0, :, 0]
+    keep = causal_keep(T, T)
+    qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
+    _, _, *g_t = truth(qd, kd, vd, do.astype(np.float64), scale, keep)
+    o_r, lse = forward(qd, kd, vd, scale, keep, exact_dot)
+    o_bf16 = np.asarray(jnp.asarray(o_r, jnp.float32).astype(jnp.bfloat16), np.float64)
+    g_r = backward(q, k, v, do, o_bf16, lse, scale, keep, exact_dot, exact_dot)
+    line = f"  {kind:>16}/{do_kind:<7}: recipe dq/dk/dv " + "/".join(f"{rel(a, b):.2e}" for a, b in zip(g_r, g_t))
+    for bits in args.bits:
+      f8 = lambda a, b: fp8_acc_dot(a, b, bits)
+      for name, (sd, pd) in (("S", (f8, exact_dot)), ("dP", (exact_dot, f8)), ("S+dP", (f8, f8))):
+        g_m = backward(q, k, v, do, o_bf16, lse, scale, keep, sd, pd)
+        line += f" | {bits}b {name}: " + "/".join(f"x{rel(a, t) / rel(r, t):.2f}" for a, r, t in zip(g_m, g_r, g_t))
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
