@@ -9,6 +9,11 @@ truncated toward zero to `bits` bits below it, then summed; the accumulator is f
    recipe's on channel outliers, T=S=1024 H=128 causal; O 1.19x on token outliers).
 2. Backward: the recipe of NUMERICS.md section 3 with S and/or dP through the model, against the
    float64 gradients, next to the recipe itself: the ratio the contract caps at 1.05.
+3. The backward's other products on FP8 (S exact, dP on FP8 as 2. allows): dV, dK, dQ summed by the
+   model along their long contractions (T or S), promoted to fp32 every `--promote` elements (the
+   forward's two-level accumulation: one tile); and dS quantized with one scale per row per tile
+   (`--tile` elements along the contraction) instead of MX's 32, as a kernel holding dS in
+   registers would do.
 
   python3 scripts/sim_fp8_accumulation.py [--bits 13] [--T 256]
 """
@@ -43,6 +48,29 @@ def fp8_acc_dot(a, b, bits, k=32):
     acc = np.trunc(vals / ulp).sum(-1) * ulp[..., 0]
     acc = acc.astype(np.float32).astype(np.float64)
   return acc
+
+
+def fp8_acc_mm(a, b, bits, promote):
+  """a [M, K] @ b [K, N] with the model's sums, promoted into an fp32 total every `promote` of K."""
+  total = np.zeros((a.shape[0], b.shape[1]))
+  for c in range(0, a.shape[1], promote):
+    part = fp8_acc_dot(a[:, c:c + promote], b[c:c + promote].T, bits)
+    total = (total + part).astype(np.float32).astype(np.float64)
+  return total
+
+
+def quant_tiles(x, axis, block):
+  """MX rounding of x along `axis` with `block`-element blocks (block=32: the MX format)."""
+  x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+  n = x.shape[-1]
+  pad = (-n) % block
+  xb = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
+  amax = np.abs(xb).max(-1, keepdims=True)
+  e = np.ceil(np.log2(np.where(amax > 0, amax / 448.0, 1.0)))
+  sc = np.exp2(np.where(amax > 0, e, -127))
+  q = e4m3(xb / sc) * sc
+  q = q.reshape(*x.shape[:-1], -1)[..., :n]
+  return np.moveaxis(q, -1, axis)
 
 
 def exact_dot(a, b):
@@ -107,6 +135,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--bits", type=int, nargs="+", default=[12, 13, 14])
   ap.add_argument("--T", type=int, default=256)
+  ap.add_argument("--promote", type=int, default=128, help="fp32 promotion interval of the long sums")
+  ap.add_argument("--tile", type=int, default=64, help="dS elements per scale in the 'tile dS' variant")
   args = ap.parse_args(argv)
   jax.config.update("jax_platforms", "cpu")
   H, T = 128, args.T
@@ -142,6 +172,41 @@ def main(argv=None):
       for name, (sd, pd) in (("S", (f8, exact_dot)), ("dP", (exact_dot, f8)), ("S+dP", (f8, f8))):
         g_m = backward(q, k, v, do, o_bf16, lse, scale, keep, sd, pd)
         line += f" | {bits}b {name}: " + "/".join(f"x{rel(a, t) / rel(r, t):.2f}" for a, r, t in zip(g_m, g_r, g_t))
+    print(line, flush=True)
+
+  bits = args.bits[len(args.bits) // 2]
+  print(f"backward products on FP8 ({bits} bits, S exact, dP FP8), promotion every {args.promote}; "
+        f"dS scale per {args.tile}: error ratio to the recipe")
+  for kind, do_kind in (("normal", "normal"), ("channel_outliers", "varying"),
+                        ("token_outliers", "normal"), ("tiny", "varying")):
+    q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, T, 1, 1, H, seed=5))
+    do = make_do(do_kind, 1, T, 1, H, seed=6)[0, :, 0]
+    keep = causal_keep(T, T)
+    qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
+    _, _, *g_t = truth(qd, kd, vd, do.astype(np.float64), scale, keep)
+    o_r, lse = forward(qd, kd, vd, scale, keep, exact_dot)
+    o_bf16 = np.asarray(jnp.asarray(o_r, jnp.float32).astype(jnp.bfloat16), np.float64)
+    g_r = backward(q, k, v, do, o_bf16, lse, scale, keep, exact_dot, exact_dot)
+    # The kernel's version: S exact, dP FP8, the three products on FP8 with promotion.
+    q_h, k_h, v_h, do_h = deq(q, -1), deq(k, -1), deq(v, -1), deq(do, -1)
+    q_t, k_s, do_t = deq(q, 0), deq(k, 0), deq(do, 0)
+    delta = (o_bf16 * np.asarray(jnp.asarray(do, jnp.bfloat16), np.float64)).sum(-1, keepdims=True)
+    s_ = np.where(keep, exact_dot(q_h, k_h) * scale, -np.inf)
+    p = np.exp(s_ - lse[:, None])
+    p8 = e4m3(p * 256) / 256
+    dp = fp8_acc_dot(do_h, v_h, bits)
+    ds = p * (dp - delta)
+    mm = lambda a, b: fp8_acc_mm(a, b, bits, args.promote)
+    variants = {
+        "sums": (mm(p8.T, do_t), mm(deq(ds, 0).T, q_t) * scale, mm(deq(ds, 1), k_s) * scale),
+        "tile dS": (p8.T @ do_t, quant_tiles(ds, 0, args.tile).T @ q_t * scale,
+                    quant_tiles(ds, 1, args.tile) @ k_s * scale),
+    }
+    line = f"  {kind:>16}/{do_kind:<7}:"
+    for name, (dv, dk, dq) in variants.items():
+      line += f" | {name}: dq/dk/dv " + "/".join(
+          f"x{rel(a, t) / rel(r, t):.3f}" for a, r, t in zip((dq, dk, dv), g_r, g_t))
+      line += " (vs recipe " + "/".join(f"{rel(a, r):.1e}" for a, r in zip((dq, dk, dv), g_r)) + ")"
     print(line, flush=True)
 
 
