@@ -131,6 +131,19 @@ def backward(q, k, v, do, o_bf16, lse, scale, keep, sdot, pdot):
   return ds_s @ k_s * scale, ds_t.T @ q_t * scale, dv
 
 
+def backward_case(kind, do_kind, T, S, H, scale):
+  """Inputs of one head, the float64 gradients and the recipe's (exact dots)."""
+  q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, S, 1, 1, H, seed=5))
+  do = make_do(do_kind, 1, T, 1, H, seed=6)[0, :, 0]
+  keep = causal_keep(T, S)
+  qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
+  _, _, *g_t = truth(qd, kd, vd, do.astype(np.float64), scale, keep)
+  o_r, lse = forward(qd, kd, vd, scale, keep, exact_dot)
+  o_bf16 = np.asarray(jnp.asarray(o_r, jnp.float32).astype(jnp.bfloat16), np.float64)
+  g_r = backward(q, k, v, do, o_bf16, lse, scale, keep, exact_dot, exact_dot)
+  return q, k, v, do, keep, o_bf16, lse, g_t, g_r
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--bits", type=int, nargs="+", default=[12, 13, 14])
@@ -160,14 +173,7 @@ def main(argv=None):
   print(f"backward: rel. error vs float64 gradients, model / recipe (the contract allows 1.05)")
   for kind, do_kind in (("normal", "normal"), ("channel_outliers", "varying"),
                         ("token_outliers", "normal"), ("tiny", "varying")):
-    q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, S, 1, 1, H, seed=5))
-    do = make_do(do_kind, 1, T, 1, H, seed=6)[0, :, 0]
-    keep = causal_keep(T, S)
-    qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
-    _, _, *g_t = truth(qd, kd, vd, do.astype(np.float64), scale, keep)
-    o_r, lse = forward(qd, kd, vd, scale, keep, exact_dot)
-    o_bf16 = np.asarray(jnp.asarray(o_r, jnp.float32).astype(jnp.bfloat16), np.float64)
-    g_r = backward(q, k, v, do, o_bf16, lse, scale, keep, exact_dot, exact_dot)
+    q, k, v, do, keep, o_bf16, lse, g_t, g_r = backward_case(kind, do_kind, T, S, H, scale)
     line = f"  {kind:>16}/{do_kind:<7}: recipe dq/dk/dv " + "/".join(f"{rel(a, b):.2e}" for a, b in zip(g_r, g_t))
     for bits in args.bits:
       f8 = lambda a, b: fp8_acc_dot(a, b, bits)
@@ -181,14 +187,7 @@ def main(argv=None):
         f"dS scale per {args.tile}: error ratio to the recipe")
   for kind, do_kind in (("normal", "normal"), ("channel_outliers", "varying"),
                         ("token_outliers", "normal"), ("tiny", "varying")):
-    q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, S, 1, 1, H, seed=5))
-    do = make_do(do_kind, 1, T, 1, H, seed=6)[0, :, 0]
-    keep = causal_keep(T, S)
-    qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
-    _, _, *g_t = truth(qd, kd, vd, do.astype(np.float64), scale, keep)
-    o_r, lse = forward(qd, kd, vd, scale, keep, exact_dot)
-    o_bf16 = np.asarray(jnp.asarray(o_r, jnp.float32).astype(jnp.bfloat16), np.float64)
-    g_r = backward(q, k, v, do, o_bf16, lse, scale, keep, exact_dot, exact_dot)
+    q, k, v, do, keep, o_bf16, lse, g_t, g_r = backward_case(kind, do_kind, T, S, H, scale)
     # The kernel's version: S exact, dP FP8, the three products on FP8 with promotion.
     q_h, k_h, v_h, do_h = deq(q, -1), deq(k, -1), deq(v, -1), deq(do, -1)
     q_t, k_s, do_t = deq(q, 0), deq(k, 0), deq(do, 0)
