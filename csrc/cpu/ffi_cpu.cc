@@ -127,6 +127,19 @@ ffi::Error check_mask_attrs(int64_t window_left, int64_t window_right) {
   return ffi::Error::Success();
 }
 
+// The fields ForwardArgs and BackwardArgs share: sizes, lengths, softmax scale and mask.
+template <typename Args>
+void fill_common(Args& a, const Dims& d, ffi::Buffer<ffi::S32>& q_seqlen, ffi::Buffer<ffi::S32>& kv_seqlen,
+                 float scale, bool is_causal, int64_t window_left, int64_t window_right) {
+  a.d = d;
+  a.q_seqlen = q_seqlen.typed_data();
+  a.kv_seqlen = kv_seqlen.typed_data();
+  a.scale = scale;
+  a.mask.is_causal = is_causal;
+  a.mask.window_left = window_left;
+  a.mask.window_right = window_right;
+}
+
 ffi::Error MxFwdImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> q_scale, ffi::AnyBuffer k,
                      ffi::Buffer<ffi::U8> k_scale, ffi::AnyBuffer v, ffi::Buffer<ffi::U8> v_scale,
                      ffi::Buffer<ffi::S32> q_seqlen, ffi::Buffer<ffi::S32> kv_seqlen, float scale,
@@ -150,19 +163,13 @@ ffi::Error MxFwdImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> q_scale, ffi::AnyBuf
   JFA_RETURN_IF_ERROR(check_mask_attrs(window_left, window_right));
 
   ForwardArgs a;
-  a.d = d;
+  fill_common(a, d, q_seqlen, kv_seqlen, scale, is_causal, window_left, window_right);
   a.q = static_cast<const uint8_t*>(q.untyped_data());
   a.q_scale = q_scale.typed_data();
   a.k = static_cast<const uint8_t*>(k.untyped_data());
   a.k_scale = k_scale.typed_data();
   a.v = static_cast<const uint8_t*>(v.untyped_data());
   a.v_scale = v_scale.typed_data();
-  a.q_seqlen = q_seqlen.typed_data();
-  a.kv_seqlen = kv_seqlen.typed_data();
-  a.scale = scale;
-  a.mask.is_causal = is_causal;
-  a.mask.window_left = window_left;
-  a.mask.window_right = window_right;
   a.o = o->typed_data();
   a.lse = lse->typed_data();
   if (!mx_attention_forward(a))
@@ -216,7 +223,7 @@ ffi::Error MxBwdImpl(ffi::AnyBuffer q_h, ffi::Buffer<ffi::U8> q_h_scale, ffi::An
 
   auto u8 = [](const ffi::AnyBuffer& b) { return static_cast<const uint8_t*>(b.untyped_data()); };
   BackwardArgs a;
-  a.d = d;
+  fill_common(a, d, q_seqlen, kv_seqlen, scale, is_causal, window_left, window_right);
   a.q_h = u8(q_h);
   a.q_h_scale = q_h_scale.typed_data();
   a.q_t = u8(q_t);
@@ -233,12 +240,6 @@ ffi::Error MxBwdImpl(ffi::AnyBuffer q_h, ffi::Buffer<ffi::U8> q_h_scale, ffi::An
   a.do_t_scale = do_t_scale.typed_data();
   a.lse = lse.typed_data();
   a.delta = delta.typed_data();
-  a.q_seqlen = q_seqlen.typed_data();
-  a.kv_seqlen = kv_seqlen.typed_data();
-  a.scale = scale;
-  a.mask.is_causal = is_causal;
-  a.mask.window_left = window_left;
-  a.mask.window_right = window_right;
   a.dq = dq->typed_data();
   a.dk = dk->typed_data();
   a.dv = dv->typed_data();
