@@ -45,6 +45,15 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def resolve_scale(scale, head_dim: int) -> float:
+  """The softmax scale: 1/sqrt(head_dim) for None, else ``scale`` if it is a finite number."""
+  if scale is None:
+    scale = 1.0 / float(np.sqrt(head_dim))
+  if not isinstance(scale, (int, float, np.floating)) or not np.isfinite(scale):
+    raise ValueError(f"scale={scale!r} must be a finite Python float")
+  return scale
+
+
 def _check_operand(x, name: str, block_axis: int):
   """Returns (shape, dtype-or-None) of a float array or an MXArray operand."""
   if isinstance(x, mx.MXArray):
@@ -279,10 +288,7 @@ def dot_product_attention(
   if implementation not in (None,) + IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of "
                      f"{(None,) + IMPLEMENTATIONS}")
-  if scale is None:
-    scale = 1.0 / float(np.sqrt(H))
-  if not isinstance(scale, (int, float, np.floating)) or not np.isfinite(scale):
-    raise ValueError(f"scale={scale!r} must be a finite Python float")
+  scale = resolve_scale(scale, H)
   window = _check_window(local_window_size)
   q_seqlen = _check_lengths(query_seq_lengths, "query_seq_lengths", B, T)
   kv_seqlen = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)

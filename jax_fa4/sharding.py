@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_fa4 import backends, mx
-from jax_fa4.attention import AttentionConfig, dot_product_attention
+from jax_fa4.attention import AttentionConfig, dot_product_attention, resolve_scale
 
 AxisNames = Union[None, str, Tuple[str, ...]]
 LAYOUTS = ("zigzag", "contiguous")
@@ -639,10 +639,7 @@ def _ring_config(query, key, value, *, axis_name, num_shards, L, is_causal, scal
   if T != S:
     raise ValueError(f"ring attention is self-attention over one sharded sequence: "
                      f"query.shape[1]={T} must equal key.shape[1]={S}")
-  if scale is None:
-    scale = 1.0 / float(np.sqrt(H))
-  if not isinstance(scale, (int, float, np.floating)) or not np.isfinite(scale):
-    raise ValueError(f"scale={scale!r} must be a finite Python float")
+  scale = resolve_scale(scale, H)
   impl = backends.resolve(implementation, head_dim=H, num_heads=N, num_kv_heads=K,
                           has_bias=False, has_mask=False, window=None, is_causal=is_causal,
                           out_dtype=dts[0])
