@@ -372,6 +372,7 @@ def _small(S=256):
     (dict(seq_axis="sp", batch_axis="m"), r"batch_axis='m' has 4 devices, which does not divide"),
     (dict(seq_axis="sp", layout="striped"), r"layout='striped' must be one of"),
     (dict(seq_axis="sp", strategy="tree"), r"strategy='tree' must be one of"),
+    (dict(seq_axis="sp", scale=float("inf")), r"scale=inf must be a finite Python float"),
     (dict(seq_axis="m", S=192), r"seq_axis='m' splits the sequence of length 192 into 8 chunks"),
     (dict(seq_axis="m", S=96, layout="contiguous"),
      r"seq_axis='m' splits the sequence of length 96 into 4 chunks"),
