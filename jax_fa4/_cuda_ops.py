@@ -3,7 +3,7 @@
 The forward pass is a few FFI calls (so XLA owns every intermediate buffer). Two score paths:
   ``scores="exact"`` (the default; the accuracy contract's path): Q and K are dequantized to bf16,
     which holds every MX value exactly, and Q K^T runs on bf16 wgmma with fp32 sums.
-  ``scores="fp8"`` (fastest): ``prep_rows`` on Q and on K re-expresses each row of H elements on ONE
+  ``scores="fp8"`` (opt-in; faster at H >= 128 on an H200, slower at H = 64): ``prep_rows`` on Q and on K re-expresses each row of H elements on ONE
     power-of-two scale (the largest of its block scales; exact unless an element underflows), row
     scales as fp32, and Q K^T runs on FP8 wgmma, whose sums keep fewer bits than fp32
     (docs/HOPPER_FORWARD.md, "Accuracy").
