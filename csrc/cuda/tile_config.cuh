@@ -34,7 +34,6 @@ template <int H, int kQKBytes = 1> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
   static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
   static constexpr int kHeadDim = H;
-  static constexpr bool kExactScores = kQKBytes == 2;
   static constexpr int kRowBytesQK = H * kQKBytes;  // one Q or K row in shared memory
   static constexpr int kStepsQK = kRowBytesQK / 32;  // wgmma k-steps of Q K^T
   static constexpr int kBlockN = (H == 256) ? 64 : 128;
