@@ -42,6 +42,9 @@ _T_PREP_V = "jax_fa4_cuda_prep_v"
 _T_EXACT_ROWS_MX = "jax_fa4_cuda_exact_rows_mx"
 _T_EXACT_ROWS_FLOAT = "jax_fa4_cuda_exact_rows_float"
 _T_FWD = "jax_fa4_cuda_fwd"
+_T_BWD = "jax_fa4_cuda_bwd"
+_BWD_BLOCK_M = 64  # the backward's query tile: lse2 / delta rows are padded to it (launch.h kBwdBlockM)
+_LOG2E = 1.4426950408889634
 
 
 def _ext():
@@ -329,4 +332,61 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
               out_dtype=out_dtype)
 
 
-__all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "quantize", "SCORES"]
+def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, delta, q_seqlen,
+             kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
+             deterministic: bool = False):
+  """MX attention backward on Hopper: ``(dq [B,T,N,H], dk, dv [B,S,K,H])`` in float32.
+
+  q, k, v, do: MXArray blocked along H (axis 3): the forward's q and k, v and dO blocked along H.
+  lse: the forward's float32 [B,T,N] (natural log, -inf for rows without keys); delta =
+  rowsum(O * dO), float32 [B,T,N]. Every product runs on bf16 wgmma over the exact dequantized
+  values (csrc/cuda/bwd_sm90_kernel.cuh); dS is rounded to bf16. ``deterministic``: dQ's
+  cross-tile adds in a fixed order (bitwise reproducible) instead of unordered atomics.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+    if not isinstance(x, mx.MXArray):
+      raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 4")
+    if x.axis != 3:
+      raise ValueError(f"{name}.axis={x.axis} must be 3 ({name} is blocked along H)")
+    x.validate(name)
+  _check_common(q.shape, k.shape, v.shape, mx.E4M3, window, jnp.float32, scale)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if tuple(do.shape) != tuple(q.shape):
+    raise ValueError(f"do.shape={tuple(do.shape)} must equal q.shape={tuple(q.shape)}")
+  for name, x in (("lse", lse), ("delta", delta)):
+    x = jnp.asarray(x)
+    if x.shape != (B, T, N) or x.dtype != jnp.float32:
+      raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be {(B, T, N)} float32")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise ValueError(f"deterministic={deterministic!r} must be a bool")
+  q_len = _check_lengths("q_seqlen", q_seqlen, B)
+  kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
+  _ensure()
+  if T == 0 or S == 0 or B == 0 or N == 0:
+    return (jnp.zeros((B, T, N, H), jnp.float32), jnp.zeros((B, S, K, H), jnp.float32),
+            jnp.zeros((B, S, K, H), jnp.float32))
+  qe, ke, ve, doe = (_exact_rows(x)[0] for x in (q, k, v, do))
+  t_pad = -(-T // _BWD_BLOCK_M) * _BWD_BLOCK_M
+  # P = exp2(S scale log2e - lse2): rows past q_len and rows without keys get lse2 = +inf (P = 0).
+  lse = jnp.asarray(lse)
+  live = (jnp.arange(T)[None, :, None] < q_len[:, None, None]) & (lse != -jnp.inf)
+  lse2 = jnp.where(live, lse * np.float32(_LOG2E), jnp.inf).transpose(0, 2, 1)
+  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - T)), constant_values=np.inf)
+  delta_t = jnp.pad(jnp.asarray(delta).transpose(0, 2, 1), ((0, 0), (0, 0), (0, t_pad - T)))
+  left, right = _norm_window(window)
+  out = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
+         jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
+         jax.ShapeDtypeStruct((B, N, t_pad // _BWD_BLOCK_M), jnp.int32))
+  dq, dk, dv, _ = jax.ffi.ffi_call(_T_BWD, out, vmap_method="broadcast_all")(
+      qe, ke, ve, doe, lse2, delta_t, q_len, kv_len, scale=np.float32(scale),
+      causal=np.int64(bool(is_causal)), window_left=np.int64(left), window_right=np.int64(right),
+      deterministic=np.int64(bool(deterministic)))
+  # The kernel accumulates dS K; the softmax scale of dQ is applied here (fused with the cast).
+  return dq * np.float32(scale), dk, dv
+
+
+__all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "backward", "quantize",
+           "SCORES"]

@@ -31,6 +31,9 @@ class AttentionConfig:
   implementation: str  # the resolved backend: one of IMPLEMENTATIONS
   out_dtype: str  # dtype name of O (and of the float gradients' primal dtypes)
   grad_dtypes: Tuple[Optional[str], Optional[str], Optional[str]]  # q, k, v; None for MXArray
+  # Bitwise run-to-run identical gradients (the CUDA backward orders its dQ adds; the other
+  # backends are deterministic anyway).
+  deterministic: bool = False
 
   @property
   def window_lr(self) -> Tuple[int, int]:
@@ -237,6 +240,7 @@ def dot_product_attention(
     local_window_size=None,
     implementation: Implementation = None,
     return_residual: bool = False,
+    deterministic: bool = False,
 ):
   """MXFP8 scaled dot-product attention, a drop-in for ``jax.nn.dot_product_attention``.
 
@@ -255,6 +259,9 @@ def dot_product_attention(
       saying why.
     return_residual: also return the log-sum-exp, float32 ``BTN`` (natural log; ``-inf`` for
       fully masked rows, whose output is 0).
+    deterministic: gradients bitwise identical from run to run. The CUDA backward then adds the
+      dQ contributions of its key tiles in a fixed order (slower, see docs/HOPPER_BACKWARD.md)
+      instead of with unordered fp32 atomics; the CPU and XLA backends are deterministic anyway.
 
   Returns:
     The output in the query's dtype (bfloat16 for an ``MXArray`` query), shaped like the query;
@@ -285,6 +292,8 @@ def dot_product_attention(
     if not q_dtype == k_dtype == v_dtype:
       raise TypeError(f"query.dtype={q_dtype}, key.dtype={k_dtype} and value.dtype={v_dtype} "
                       f"must be equal")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"deterministic={deterministic!r} must be a bool")
   if implementation not in (None,) + IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r} must be one of "
                      f"{(None,) + IMPLEMENTATIONS}")
@@ -302,7 +311,8 @@ def dot_product_attention(
                              window=window, is_causal=is_causal, out_dtype=out_dtype)
   cfg = AttentionConfig(scale=float(scale), is_causal=bool(is_causal), window=window,
                         implementation=backend, out_dtype=out_dtype,
-                        grad_dtypes=(q_dtype, k_dtype, v_dtype))
+                        grad_dtypes=(q_dtype, k_dtype, v_dtype),
+                        deterministic=bool(deterministic))
   # Kernels take lengths always: the full length where none is given.
   q_len = q_seqlen if q_seqlen is not None else jnp.full((B,), T, jnp.int32)
   kv_len = kv_seqlen if kv_seqlen is not None else jnp.full((B,), S, jnp.int32)

@@ -4,8 +4,8 @@
   dense ``bias`` or ``mask``.
 - ``"cpu"``: the C++ FFI kernels (forward and backward), platform "cpu".
 - ``"cuda"``: the Hopper (sm_90a) forward kernel with exact scores (Q K^T on bf16 wgmma from the
-  exact dequantized MX values, P V on FP8 wgmma); its backward pass runs the jnp recipe on the GPU
-  until the Hopper backward kernels land.
+  exact dequantized MX values, P V on FP8 wgmma) and the sm_90a backward kernel (all five products
+  on bf16 wgmma from the exact MX values; dS in bf16).
 - ``"cuda_fp8"``: the same kernel with Q K^T on FP8 wgmma too (faster where Q K^T's tensor time
   shows: H=256 576 vs 497 TFLOP/s on an H200), opt-in only, since FP8 wgmma's reduced-precision
   sums miss the accuracy contract (see ``Backend.default``).
@@ -142,6 +142,15 @@ def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
                                 out_dtype=cfg.out_dtype, scores=_SCORES[cfg.implementation])
 
 
+def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
+  # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h, do_h serve every product:
+  # the second orientations (q_t, k_s, do_t) are unused here (and removed by XLA as dead code).
+  dq, dk, dv = _cuda_ops().backward(q_h, k_h, v_h, do_h, lse, delta, q_len, kv_len,
+                                    scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+                                    deterministic=cfg.deterministic)
+  return dq, dk, dv, None
+
+
 def _cuda_forward_float(q, k, v, q_len, kv_len, cfg):
   return _cuda_ops().forward_float(q, k, v, q_len, kv_len, scale=cfg.scale,
                                    is_causal=cfg.is_causal, window=cfg.window,
@@ -151,16 +160,16 @@ def _cuda_forward_float(q, k, v, q_len, kv_len, cfg):
 _BACKENDS = {
     "xla": Backend("xla", None, lambda: True, _xla_check, _xla_forward, _xla_backward),
     "cpu": Backend("cpu", "cpu", _cpu_available, _cpu_check, _cpu_forward, _cpu_backward),
-    # The Hopper backward kernels are issue 4: until then the recipe runs the backward on the GPU.
+    # Backward: the sm_90a kernel with every product on bf16 wgmma (docs/HOPPER_BACKWARD.md).
     # A default: it meets the contract on every tested distribution but one, O under perfectly
     # flat attention (1.3-1.6x the bound, ~4e-5 relative, from P V's FP8 sums; an xfail in
     # tests/test_cuda_forward.py, docs/HOPPER_FORWARD.md).
     "cuda": Backend("cuda", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda"),
-                    _cuda_forward, _xla_backward, forward_float=_cuda_forward_float),
+                    _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float),
     # Not a default: on an H200 FP8 wgmma's sums miss the contract for the lse and for outlier
     # inputs (docs/HOPPER_FORWARD.md); implementation='cuda_fp8' opts in.
     "cuda_fp8": Backend("cuda_fp8", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda_fp8"),
-                        _cuda_forward, _xla_backward, forward_float=_cuda_forward_float,
+                        _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float,
                         default=False),
 }
 

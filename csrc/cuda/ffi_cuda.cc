@@ -243,6 +243,67 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
   return cuda_error(launch_fwd_sm90(a, stream), "jax_fa4 sm90 forward kernel");
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// bwd: q, dout [..., T, N, H], k, v [..., S, Kh, H] bf16 (exact dequantized MX values); lse2, delta
+// [..., N, T_pad] f32 -> dq [..., T, N, H], dk, dv [..., S, Kh, H] f32, sem [..., N, ceil(T/64)] scratch.
+ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                   ffi::Buffer<ffi::F32> lse2, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
+                   ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
+                   int64_t window_right, int64_t deterministic, ffi::Result<ffi::Buffer<ffi::F32>> dq,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv,
+                   ffi::Result<ffi::Buffer<ffi::S32>> sem) {
+  for (const ffi::AnyBuffer* x : {&q, &k, &v, &dout})
+    if (x->element_type() != ffi::DataType::BF16)
+      return ffi::Error::InvalidArgument("bwd: q, k, v and dout must be bfloat16 (exact MX values)");
+  Dims qd = q.dimensions(), kd = k.dimensions(), ld = lse2.dimensions();
+  JAX_FA4_RETURN_IF_ERROR(check_rank(qd, 3, "bwd: q"));
+  JAX_FA4_RETURN_IF_ERROR(check_rank(kd, 3, "bwd: k"));
+  JAX_FA4_RETURN_IF_ERROR(check_rank(ld, 2, "bwd: lse2"));
+  const int64_t T = qd[qd.size() - 3], N = qd[qd.size() - 2], H = qd[qd.size() - 1], B = lead(qd, 3);
+  const int64_t S = kd[kd.size() - 3], Kh = kd[kd.size() - 2];
+  const int64_t T_pad = ld[ld.size() - 1];
+  if (kd[kd.size() - 1] != H || lead(kd, 3) != B || v.element_count() != k.element_count() ||
+      dout.element_count() != q.element_count())
+    return ffi::Error::InvalidArgument("bwd: q " + dims_str(qd) + " and k " + dims_str(kd) + " (v, dout alike) do not agree");
+  if (H != 64 && H != 128 && H != 256)
+    return ffi::Error::InvalidArgument("bwd: head dim " + std::to_string(H) + " not in {64,128,256}");
+  if (Kh <= 0 || N % Kh != 0)
+    return ffi::Error::InvalidArgument("bwd: query heads " + std::to_string(N) + " not a multiple of kv heads " +
+                                       std::to_string(Kh));
+  if (T_pad % kBwdBlockM != 0 || T_pad < T || (int64_t)lse2.element_count() != B * N * T_pad ||
+      (int64_t)delta.element_count() != B * N * T_pad)
+    return ffi::Error::InvalidArgument("bwd: lse2 / delta must be [B, N, T_pad], T_pad a multiple of 64 >= T");
+  if ((int64_t)q_len.element_count() != B || (int64_t)kv_len.element_count() != B)
+    return ffi::Error::InvalidArgument("bwd: q_len and kv_len must have B entries");
+  if ((int64_t)dq->element_count() != B * T * N * H || (int64_t)dk->element_count() != B * S * Kh * H ||
+      (int64_t)dv->element_count() != B * S * Kh * H ||
+      (int64_t)sem->element_count() != B * N * ((T + kBwdBlockM - 1) / kBwdBlockM))
+    return ffi::Error::InvalidArgument("bwd: an output has the wrong size");
+  if (T > INT32_MAX || S > INT32_MAX - 128 || B > 65535 || Kh * (H / 128 + 1) > 65535)
+    return ffi::Error::InvalidArgument("bwd: sizes exceed the kernel's grid");
+  BwdArgs a{};
+  a.B = (int)B; a.T = (int)T; a.S = (int)S; a.N = (int)N; a.Kh = (int)Kh; a.H = (int)H; a.T_pad = (int)T_pad;
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.dout = dout.untyped_data();
+  a.lse2 = lse2.typed_data();
+  a.delta = delta.typed_data();
+  a.q_len = q_len.typed_data();
+  a.kv_len = kv_len.typed_data();
+  a.dq = dq->typed_data();
+  a.dk = dk->typed_data();
+  a.dv = dv->typed_data();
+  a.sem = sem->typed_data();
+  a.scale = scale;
+  a.causal = causal != 0;
+  a.deterministic = deterministic != 0;
+  a.window_left = window_left;
+  a.window_right = window_right;
+  return cuda_error(launch_bwd_sm90(a, stream), "jax_fa4 sm90 backward kernel");
+}
+
 }  // namespace
 }  // namespace jax_fa4::cuda
 
@@ -316,3 +377,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaFwd, FwdImpl,
                                   .Ret<ffi::AnyBuffer>()               // o [..., T, N, H]
                                   .Ret<ffi::Buffer<ffi::F32>>(),       // lse [..., T, N]
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaBwd, BwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()               // q [..., T, N, H] bf16 (q blocked along H, exact)
+                                  .Arg<ffi::AnyBuffer>()               // k [..., S, Kh, H] bf16
+                                  .Arg<ffi::AnyBuffer>()               // v [..., S, Kh, H] bf16
+                                  .Arg<ffi::AnyBuffer>()               // dout [..., T, N, H] bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // lse2 [..., N, T_pad]
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // delta [..., N, T_pad]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // q_len [...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // kv_len [...]
+                                  .Attr<float>("scale")                // softmax scale (fp32)
+                                  .Attr<int64_t>("causal")             // 0 / 1
+                                  .Attr<int64_t>("window_left")        // -1: unbounded
+                                  .Attr<int64_t>("window_right")       // -1: unbounded
+                                  .Attr<int64_t>("deterministic")      // 0 / 1: ordered dQ adds
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // dq [..., T, N, H] (unscaled dS K)
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // dk [..., S, Kh, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // dv [..., S, Kh, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>(),       // sem [..., N, ceil(T/64)] scratch
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -3,9 +3,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdlib>
-#include <mutex>
 #include "cuda/fwd_sm90_mainloop.cuh"
 #include "cuda/launch.h"
+#include "cuda/tma_map.h"
 
 namespace jax_fa4::cuda {
 namespace {
@@ -14,39 +14,6 @@ using sm90::FwdParams;
 using sm90::TileConfig;
 
 static_assert(kSeqPad == sm90::kSeqPad, "launch.h and tile_config.cuh disagree on the S padding");
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point, so the module needs no link
-// against libcuda (the wheel then loads wherever the driver is).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
-  return fn;
-}
-
-// 4-D tiled tensor map over uint8 (e4m3) data; dims/strides innermost first, strides in bytes.
-cudaError_t make_map(CUtensorMap* map, const void* base, const cuuint64_t dims[4], const cuuint64_t strides[3],
-                     const cuuint32_t box[4], CUtensorMapSwizzle swizzle) {
-  const cuuint32_t estr[4] = {1, 1, 1, 1};
-  EncodeTiledFn enc = encode_tiled();
-  if (enc == nullptr) return cudaErrorSymbolNotFound;
-  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides,
-                                      box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-constexpr CUtensorMapSwizzle swizzle_of(int bytes) {
-  return bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-}
 
 template <int H, bool kPipe, bool kExact>
 cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
@@ -72,19 +39,8 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
     const cuuint32_t box[4] = {(cuuint32_t)Cfg::kBlockN, (cuuint32_t)H, 1, 1};
     if (auto e = make_map(&tm_v, a.vt, dims, str, box, swizzle_of(Cfg::kSwV)); e != cudaSuccess) return e;
   }
-  // The dynamic shared-memory opt-in is a per-device function attribute: set it once per device.
-  constexpr int kMaxDevices = 64;
-  static std::once_flag once[kMaxDevices];
-  static cudaError_t errs[kMaxDevices];
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (dev < 0 || dev >= kMaxDevices) return cudaErrorInvalidDevice;
-  std::call_once(once[dev], [dev] {
-    errs[dev] = cudaFuncSetAttribute(sm90::fwd_sm90_kernel<H, kPipe, kExact>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Cfg::kSmemBytes);
-  });
-  const cudaError_t attr_err = errs[dev];
-  if (attr_err != cudaSuccess) return attr_err;
+  if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact>>(Cfg::kSmemBytes); e != cudaSuccess)
+    return e;
   p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
   dim3 grid(p.num_m_blocks, a.N, a.B);
   sm90::fwd_sm90_kernel<H, kPipe, kExact><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);

@@ -49,6 +49,29 @@ struct FwdArgs {
 // Returns cudaErrorInvalidValue for shapes the kernel does not serve (checked in Python first).
 cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream);
 
+struct BwdArgs {
+  int B, T, S, N, Kh, H, T_pad;
+  const void* q;         // [B, T, N, H] bf16, the exact values of q blocked along H
+  const void* k;         // [B, S, Kh, H] bf16 (k blocked along H)
+  const void* v;         // [B, S, Kh, H] bf16 (v blocked along H)
+  const void* dout;      // [B, T, N, H] bf16 (dO blocked along H)
+  const float* lse2;     // [B, N, T_pad] lse * log2(e), +inf for rows without keys and padding
+  const float* delta;    // [B, N, T_pad] rowsum(O * dO), 0 past T
+  const int32_t* q_len;  // [B]
+  const int32_t* kv_len; // [B]
+  float* dq;             // [B, T, N, H] fp32: dS K, zeroed here, without the softmax scale
+  float* dk;             // [B, S, Kh, H] fp32
+  float* dv;             // [B, S, Kh, H] fp32
+  int32_t* sem;          // [B, N, ceil(T / 64)] scratch of the deterministic dQ order, zeroed here
+  float scale;
+  bool causal, deterministic;
+  int64_t window_left, window_right;  // -1: unbounded
+};
+// Zeroes dq (and sem), then launches one CTA per (128-key tile, kv head x column chunk, batch).
+cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream);
+// The query tile of the backward: lse2 / delta rows are padded to a multiple of it.
+constexpr int kBwdBlockM = 64;
+
 // The smem padding unit of V^T and of the key scales (tile_config.cuh kSeqPad).
 constexpr int kSeqPad = 128;
 

@@ -14,6 +14,7 @@ XLA_FFI_Error* JaxFa4CudaExactRowsMx(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaExactRowsFloat(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaPrepV(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaFwd(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxFa4CudaBwd(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -33,6 +34,7 @@ NB_MODULE(_jax_fa4_cuda, m) {
     d["jax_fa4_cuda_exact_rows_float"] = capsule(JaxFa4CudaExactRowsFloat);
     d["jax_fa4_cuda_prep_v"] = capsule(JaxFa4CudaPrepV);
     d["jax_fa4_cuda_fwd"] = capsule(JaxFa4CudaFwd);
+    d["jax_fa4_cuda_bwd"] = capsule(JaxFa4CudaBwd);
     return d;
   });
 }

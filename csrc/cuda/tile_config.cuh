@@ -66,4 +66,44 @@ template <int H, int kQKBytes = 1> struct TileConfig {
 // (BN <= 128) is in bounds and padded keys are exact zeros rather than garbage.
 constexpr int kSeqPad = 128;
 
+
+// ---- backward (bwd_sm90_kernel.cuh) ----
+// One CTA = BN = 128 keys of one (batch, kv head): the producer warpgroup loads K and V once and
+// streams (Q, dO, lse, delta) tiles of BM = 64 queries; each consumer owns 64 keys (wgmma M = 64).
+// Every product runs on bf16 wgmma over exact dequantized MX values (bwd_wgmma_ops.cuh).
+// Registers per consumer thread: dK and dV accumulators 64*HV/128 fp32 each, S^T and dP^T
+// 64*BM/128 each, dQ 64*64/128: HV = 128, BM = 64 -> 64 + 64 + 32 + 32 + 32 = 224 at the peak, so
+// HV (the dK/dV/dQ column chunk one CTA accumulates) is capped at 128: H = 256 runs two column
+// chunks in separate CTAs, each recomputing S and dP over all 256 columns.
+template <int H> struct BwdTileConfig {
+  static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
+  static constexpr int kBlockN = 64 * kNumConsumerWG;  // 128 keys per CTA
+  static constexpr int kBlockM = 64;                   // queries per streamed tile
+  static constexpr int kHV = H < 128 ? H : 128;        // output columns per CTA
+  static constexpr int kChunks = H / kHV;              // column chunks (CTAs) per key tile
+  static constexpr int kRowBytes = 2 * H;              // a bf16 row
+  static constexpr int kSw = 128;                      // 128B swizzle: rows are >= 128 bytes
+  static constexpr int kAtoms = kRowBytes / kSw;       // 64-column swizzle atoms per row
+  // dQ = dS K per consumer: N = 64 columns. With HV = 128 the two consumers split the columns (each
+  // contracts all 128 keys); with HV = 64 they split the keys and both add their partial dQ.
+  static constexpr bool kSplitKeysDQ = kHV < 128;
+  static constexpr int kKBytes = kBlockN * kRowBytes;  // K tile (V the same)
+  static constexpr int kQBytes = kBlockM * kRowBytes;  // Q tile (dO the same)
+  static constexpr int kDSBytes = kBlockN * kBlockM * 2;  // dS^T tile, bf16
+  // Stages of the (Q, dO, lse, delta) ring. H = 256: K + V = 128 KB, one stage 64.5 KB, two dS
+  // buffers 32 KB: only one stage fits in 227 KB (its reload overlaps the dQ product only).
+  static constexpr int kStages = (H == 256) ? 1 : 2;
+  // Layout: K, V, the stages' Q and dO tiles, two dS^T buffers, then the lse / delta rows (the
+  // small rows last, so every swizzled tile keeps its 1024-byte alignment).
+  static constexpr int kStageBytes = 2 * kQBytes + 2 * kBlockM * 4;
+  static constexpr int kSmemBytes =
+      1024 /*alignment slack*/ + 2 * kKBytes + kStages * kStageBytes + 2 * kDSBytes + 256 /*barriers*/;
+  static_assert(kSmemBytes <= 227 * 1024, "backward shared memory exceeds one SM");
+  static_assert(kHV % 64 == 0 && H % kHV == 0, "column chunks are whole 64-column swizzle atoms");
+  static_assert(kBlockM * 2 == kSw, "a dS^T row (BM bf16) must be exactly one 128-byte swizzle row");
+  static_assert(kKBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0,
+                "swizzled tiles must stay 1024-byte aligned");
+  static_assert(kBlockM * 4 % 16 == 0, "lse / delta rows are bulk copies of 16-byte multiples");
+};
+
 }  // namespace jax_fa4::sm90

@@ -1,0 +1,274 @@
+"""The Hopper (sm_90a) CUDA backward kernel against the accuracy contract (NUMERICS.md section 4).
+
+Each case draws fresh random inputs (a new seed per run, printed), runs the CUDA forward (for O and
+lse, as training does) and the CUDA backward, and checks dQ, dK, dV against float64 gradients on
+the dequantized MX inputs, with the jnp recipe (on the CPU backend, where XLA keeps every e4m3
+rounding) and bf16 attention as the contract's yardsticks; outputs are poisoned before each run.
+Then: rows past the lengths exactly zero, deterministic mode bitwise reproducible, jax.grad through
+dot_product_attention on the GPU default backend within the contract, jit/vmap, bad input.
+Skipped where the kernels are not available (no extension or no compute-capability 9.0 GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from contract import assert_contract, make_do, make_qkv
+from jax_fa4 import mx, reference
+
+
+def _cuda_available():
+  try:
+    from jax_fa4 import _cuda_ops
+  except ImportError:
+    return False
+  return _cuda_ops.available()
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda_available(), reason="jax_fa4 CUDA kernels unavailable "
+                                 "(needs the _jax_fa4_cuda extension and a Hopper GPU)")]
+
+_SEED = int(os.environ.get("JAX_FA4_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+print(f"test_cuda_backward seed: {_SEED}")
+
+
+def _ops():
+  from jax_fa4 import _cuda_ops
+  return _cuda_ops
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 truth through BLAS, one (batch, head) at a time (reference.truth_backward's arithmetic).
+
+def _keep(B, T, S, is_causal, window, q_len, kv_len):
+  from jax_fa4.masks import positional_mask
+  return np.broadcast_to(positional_mask(T, S, is_causal=is_causal, window=window, q_seqlen=q_len,
+                                         kv_seqlen=kv_len, xp=np), (B, 1, T, S))
+
+
+def _truth64_grads(qd, kd, vd, do, *, scale, is_causal, window, q_len, kv_len):
+  q, k, v, g = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (qd, kd, vd, do))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  keep = _keep(B, T, S, is_causal, window, q_len, kv_len)
+  dq = np.zeros_like(q)
+  dk = np.zeros_like(k)
+  dv = np.zeros_like(v)
+  for b in range(B):
+    for n in range(N):
+      kh = n // G
+      s = np.where(keep[b, 0], (q[b, :, n] @ k[b, :, kh].T) * scale, -np.inf)
+      m = s.max(-1, keepdims=True)
+      m = np.where(np.isneginf(m), 0.0, m)
+      e = np.exp(s - m)
+      l = e.sum(-1, keepdims=True)
+      p = e / np.where(l > 0, l, 1.0)
+      o = p @ v[b, :, kh]
+      delta = (o * g[b, :, n]).sum(-1, keepdims=True)
+      ds = p * (g[b, :, n] @ v[b, :, kh].T - delta)
+      dq[b, :, n] = ds @ k[b, :, kh] * scale
+      dk[b, :, kh] += ds.T @ q[b, :, n] * scale
+      dv[b, :, kh] += p.T @ g[b, :, n]
+  return dq, dk, dv
+
+
+def _bf16(x):
+  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def test_truth64_grads_match_reference_truth():
+  q, k, v = make_qkv("normal", 2, 17, 40, 4, 2, 64, seed=_SEED)
+  do = make_do("varying", 2, 17, 4, 64, seed=_SEED)
+  ql, kl = np.array([17, 9], np.int32), np.array([33, 40], np.int32)
+  want = reference.truth_backward(q, k, v, do, scale=0.125, is_causal=True, window=(5, None),
+                                  q_seqlen=ql, kv_seqlen=kl)
+  got = _truth64_grads(q, k, v, do, scale=0.125, is_causal=True, window=(5, None), q_len=ql, kv_len=kl)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases: (B, T, S, N, K, H, causal, window, kind, do_kind, lengths or None)
+
+CASES = [
+    (1, 256, 256, 2, 1, 128, False, None, "normal", "normal", None),
+    (1, 256, 256, 2, 2, 128, True, None, "channel_outliers", "varying", None),
+    (1, 256, 256, 4, 2, 128, False, None, "token_outliers", "normal", None),
+    (1, 256, 256, 2, 1, 128, False, None, "tiny", "varying", None),
+    (1, 256, 256, 4, 1, 128, True, None, "token_outliers", "varying", None),
+    (2, 113, 200, 4, 1, 64, True, None, "normal", "varying", ((113, 50), (200, 31))),
+    (1, 200, 300, 2, 1, 256, False, None, "normal", "normal", None),
+    (1, 256, 256, 2, 2, 256, True, (40, None), "channel_outliers", "varying", None),
+    (1, 300, 300, 2, 1, 128, False, (64, 32), "normal", "normal", None),
+    (1, 1, 1, 1, 1, 64, False, None, "normal", "normal", None),
+    (1, 31, 1023, 2, 1, 128, False, None, "normal", "varying", None),
+    (1, 1023, 31, 2, 2, 64, True, None, "token_outliers", "normal", None),
+    (3, 130, 200, 2, 1, 128, True, None, "normal", "normal", ((130, 7, 0), (200, 0, 64))),
+    (1, 100, 300, 2, 1, 128, True, None, "channel_outliers", "normal", None),
+    (1, 128, 192, 8, 1, 64, False, None, "normal", "varying", None),
+    (1, 128, 2048, 2, 1, 128, False, None, "normal", "normal", None),
+    (1, 160, 160, 2, 1, 256, False, (None, 20), "tiny", "normal", None),
+]
+
+
+def _ids(c):
+  B, T, S, N, K, H, causal, window, kind, do_kind, lens = c
+  return (f"B{B}-T{T}-S{S}-N{N}-K{K}-H{H}-{'causal' if causal else 'full'}-w{window}-{kind}-do_{do_kind}"
+          + ("-ragged" if lens else ""))
+
+
+def _recipe_grads(ops, rlse, delta_r, kw):
+  """reference.mx_backward on the CPU backend (see tests/test_cuda_forward.py::_recipe)."""
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    args = jax.device_put((ops["q_h"], ops["q_t"], ops["k_h"], ops["k_s"], ops["v_h"], ops["do_h"],
+                           ops["do_t"], rlse, delta_r), cpu)
+    return [np.asarray(g) for g in reference.mx_backward(*args, **kw)[:3]]
+
+
+def _run_case(case, seed, deterministic=False):
+  B, T, S, N, K, H, causal, window, kind, do_kind, lens = case
+  q, k, v = make_qkv(kind, B, T, S, N, K, H, seed=seed)
+  do = make_do(do_kind, B, T, N, H, seed=seed + 1)
+  if lens is None:
+    ql, kl = np.full((B,), T, np.int32), np.full((B,), S, np.int32)
+  else:
+    ql, kl = np.asarray(lens[0], np.int32), np.asarray(lens[1], np.int32)
+  qj, kj, vj, doj = (jnp.asarray(x) for x in (q, k, v, do))
+  qm, km, vm = mx.quantize(qj, 3), mx.quantize(kj, 3), mx.quantize(vj, 1)
+  ops = dict(q_h=qm, q_t=mx.quantize(qj, 1), k_h=km, k_s=mx.quantize(kj, 1), v_h=mx.quantize(vj, 3),
+             do_h=mx.quantize(doj, 3), do_t=mx.quantize(doj, 1))
+  scale = 1.0 / np.sqrt(H)
+  kw = dict(scale=scale, is_causal=causal, window=window)
+  ql_j, kl_j = jnp.asarray(ql), jnp.asarray(kl)
+  o, lse = _ops().forward_mx(qm, km, vm, ql_j, kl_j, out_dtype=jnp.float32, **kw)
+  delta = jnp.sum(o * doj, axis=-1)
+  # Poison: free NaN buffers of the outputs' sizes so the kernel's outputs likely reuse them.
+  jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan), jnp.full((B, S, K, H), jnp.nan),
+                         jnp.full((B, S, K, H), jnp.nan)))
+  grads = [np.asarray(g) for g in _ops().backward(ops["q_h"], ops["k_h"], ops["v_h"], ops["do_h"], lse,
+                                                   delta, ql_j, kl_j, deterministic=deterministic, **kw)]
+  # The recipe with its own forward's O and lse (as in training).
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    ro, rlse = reference.mx_forward(*jax.device_put((qm, km, vm), cpu), q_seqlen=jnp.asarray(ql),
+                                    kv_seqlen=jnp.asarray(kl), **kw)
+    delta_r = jnp.sum(ro * jax.device_put(doj, cpu), axis=-1)
+  rkw = dict(kw, q_seqlen=jnp.asarray(ql), kv_seqlen=jnp.asarray(kl))
+  rgrads = _recipe_grads(ops, rlse, delta_r, rkw)
+  tkw = dict(kw, q_len=ql, kv_len=kl)
+  truth = _truth64_grads(qm.dequantize(), km.dequantize(), vm.dequantize(), do, **tkw)
+  bf16 = _truth64_grads(_bf16(q), _bf16(k), _bf16(v), _bf16(do), **tkw)
+  return dict(grads=grads, rgrads=rgrads, truth=truth, bf16=bf16, ql=ql, kl=kl)
+
+
+_RESULTS = {}
+
+
+def _case_result(case):
+  if case not in _RESULTS:
+    _RESULTS[case] = _run_case(case, _SEED + CASES.index(case))
+  return _RESULTS[case]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_backward_rows_and_finiteness(case):
+  r = _case_result(case)
+  dq, dk, dv = r["grads"]
+  for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+    assert np.all(np.isfinite(g)), f"non-finite {name}"
+  for b in range(case[0]):
+    L, Lk = int(r["ql"][b]), int(r["kl"][b])
+    assert np.all(dq[b, L:] == 0), f"batch {b}: dq rows >= q_len={L} not zero"
+    assert np.all(dk[b, Lk:] == 0) and np.all(dv[b, Lk:] == 0), f"batch {b}: dk/dv rows >= kv_len={Lk} not zero"
+
+
+@pytest.mark.parametrize("tensor", ["dq", "dk", "dv"])
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_backward_contract(case, tensor):
+  r = _case_result(case)
+  i = ("dq", "dk", "dv").index(tensor)
+  e, er, eb = assert_contract(tensor, r["grads"][i], r["rgrads"][i], r["bf16"][i], r["truth"][i])
+  print(f"{_ids(case)} {tensor}: kernel {e:.3e} recipe {er:.3e} (x{e / max(er, 1e-30):.2f}) bf16 {eb:.3e}")
+
+
+def test_deterministic_is_bitwise_reproducible():
+  case = (1, 512, 2048, 4, 2, 128, True, None, "normal", "varying", None)
+  a = _run_case(case, _SEED, deterministic=True)["grads"]
+  b = _run_case(case, _SEED, deterministic=True)["grads"]
+  for name, x, y in zip(("dq", "dk", "dv"), a, b):
+    np.testing.assert_array_equal(x, y, err_msg=name)
+  c = _run_case(case, _SEED, deterministic=False)["grads"]
+  for name, x, y in zip(("dq", "dk", "dv"), a, c):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6 * np.abs(x).max(), err_msg=name)
+
+
+def test_grad_through_dot_product_attention():
+  """jax.grad on the GPU default backend (the CUDA kernels) vs float64 gradients, the xla recipe
+  (on the CPU backend) as the yardstick."""
+  import jax_fa4
+  from jax_fa4 import backends
+  B, T, S, N, K, H = 2, 192, 256, 4, 2, 128
+  q, k, v = make_qkv("token_outliers", B, T, S, N, K, H, seed=_SEED + 100)
+  w = make_do("varying", B, T, N, H, seed=_SEED + 101)
+  kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([256, 100], jnp.int32))
+  assert backends.resolve(None, q_shape=q.shape, k_shape=k.shape, head_dim=H, num_heads=N, num_kv_heads=K,
+                          has_bias=False, has_mask=False, window=None, is_causal=True,
+                          out_dtype="float32") == "cuda"
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(jax_fa4.dot_product_attention(q, k, v, implementation=impl, **kw) * w)
+
+  got = [np.asarray(g) for g in jax.jit(jax.grad(loss(None), (0, 1, 2)))(*map(jnp.asarray, (q, k, v)))]
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    rec = [np.asarray(g) for g in jax.grad(loss("xla"), (0, 1, 2))(*jax.device_put((q, k, v), cpu))]
+  qm, km, vm = mx.quantize(jnp.asarray(q), 3), mx.quantize(jnp.asarray(k), 3), mx.quantize(jnp.asarray(v), 1)
+  tkw = dict(scale=H ** -0.5, is_causal=True, window=None, q_len=np.full((B,), T, np.int32),
+             kv_len=np.array([256, 100], np.int32))
+  truth = _truth64_grads(qm.dequantize(), km.dequantize(), vm.dequantize(), w, **tkw)
+  bf16 = _truth64_grads(_bf16(q), _bf16(k), _bf16(v), _bf16(w), **tkw)
+  for name, g, r, b, t in zip(("dq", "dk", "dv"), got, rec, bf16, truth):
+    assert_contract(name, g, r, b, t)
+
+
+def test_backward_jit_and_vmap():
+  B, T, S, N, K, H = 1, 96, 160, 2, 1, 64
+  q, k, v = make_qkv("normal", 2 * B, T, S, N, K, H, seed=_SEED + 7)
+  do = make_do("normal", 2 * B, T, N, H, seed=_SEED + 8)
+  q, k, v, do = (jnp.asarray(x).reshape((2, B) + x.shape[1:]) for x in (q, k, v, do))
+  ql, kl = jnp.full((2, B), T, jnp.int32), jnp.array([[S], [77]], jnp.int32)
+
+  def one(q, k, v, do, ql, kl):
+    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+    o, lse = _ops().forward_mx(qm, km, vm, ql, kl, scale=0.125, out_dtype=jnp.float32)
+    delta = jnp.sum(o * do, -1)
+    return _ops().backward(qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, delta, ql, kl,
+                           scale=0.125, deterministic=True)
+
+  batched = jax.jit(jax.vmap(one))(q, k, v, do, ql, kl)
+  for i in range(2):
+    each = one(q[i], k[i], v[i], do[i], ql[i], kl[i])
+    for x, y in zip(batched, each):
+      np.testing.assert_array_equal(np.asarray(x[i]), np.asarray(y))
+
+
+def test_backward_bad_input_raises():
+  q = mx.quantize(jnp.ones((1, 8, 2, 64)), 3)
+  k = mx.quantize(jnp.ones((1, 8, 1, 64)), 3)
+  lse = jnp.zeros((1, 8, 2))
+  L = jnp.array([8], jnp.int32)
+  with pytest.raises(ValueError, match="axis"):
+    _ops().backward(mx.quantize(jnp.ones((1, 8, 2, 64)), 1), k, k, q, lse, lse, L, L, scale=0.1)
+  with pytest.raises(ValueError, match="lse"):
+    _ops().backward(q, k, k, q, lse[..., :1], lse, L, L, scale=0.1)
+  with pytest.raises(ValueError, match="window"):
+    _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, window=(-2, None))
+  with pytest.raises(ValueError, match="deterministic"):
+    _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, deterministic="yes")
