@@ -17,16 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from contract import assert_contract, make_do, make_qkv
+from contract import _bf16, assert_contract, make_do, make_qkv
+# Shared with the forward's GPU tests: availability, the op module, the mask of the float64 truth.
+from test_cuda_forward import _cuda_available, _keep, _ops
 from jax_fa4 import mx, reference
-
-
-def _cuda_available():
-  try:
-    from jax_fa4 import _cuda_ops
-  except ImportError:
-    return False
-  return _cuda_ops.available()
 
 
 pytestmark = [pytest.mark.gpu,
@@ -37,19 +31,8 @@ _SEED = int(os.environ.get("JAX_FA4_TEST_SEED", np.random.SeedSequence().entropy
 print(f"test_cuda_backward seed: {_SEED}")
 
 
-def _ops():
-  from jax_fa4 import _cuda_ops
-  return _cuda_ops
-
-
 # ---------------------------------------------------------------------------------------------
 # float64 truth through BLAS, one (batch, head) at a time (reference.truth_backward's arithmetic).
-
-def _keep(B, T, S, is_causal, window, q_len, kv_len):
-  from jax_fa4.masks import positional_mask
-  return np.broadcast_to(positional_mask(T, S, is_causal=is_causal, window=window, q_seqlen=q_len,
-                                         kv_seqlen=kv_len, xp=np), (B, 1, T, S))
-
 
 def _truth64_grads(qd, kd, vd, do, *, scale, is_causal, window, q_len, kv_len):
   q, k, v, g = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (qd, kd, vd, do))
@@ -76,10 +59,6 @@ def _truth64_grads(qd, kd, vd, do, *, scale, is_causal, window, q_len, kv_len):
       dk[b, :, kh] += ds.T @ q[b, :, n] * scale
       dv[b, :, kh] += p.T @ g[b, :, n]
   return dq, dk, dv
-
-
-def _bf16(x):
-  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def test_truth64_grads_match_reference_truth():
