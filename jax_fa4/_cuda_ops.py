@@ -201,6 +201,18 @@ def _check_scores(scores):
     raise ValueError(f"scores={scores!r} must be one of {SCORES}")
 
 
+def _check_mx(name, x, axis):
+  """x must be a rank-4 MXArray blocked along ``axis`` (3 = H, 1 = S), with valid data."""
+  if not isinstance(x, mx.MXArray):
+    raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
+  if x.ndim != 4:
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 4")
+  if x.axis != axis:
+    raise ValueError(f"{name}.axis={x.axis} must be {axis} ({name} is blocked along "
+                     f"{'H' if axis == 3 else 'S'})")
+  x.validate(name)
+
+
 def _exact_rows(x: mx.MXArray):
   """The exact-score path's Q/K operand: the dequantized MX values in bf16 (a CUDA kernel, bit for
   bit ``x.dequantize(jnp.bfloat16)``).
@@ -271,14 +283,7 @@ def forward_mx(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, q_seqlen, kv_seqlen,
   """
   _check_scores(scores)
   for name, x, ax in (("q", q, 3), ("k", k, 3), ("v", v, 1)):
-    if not isinstance(x, mx.MXArray):
-      raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
-    if x.ndim != 4:
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 4")
-    if x.axis != ax:
-      raise ValueError(f"{name}.axis={x.axis} must be {ax} ({name} is blocked along "
-                       f"{'H' if ax == 3 else 'S'})")
-    x.validate(name)
+    _check_mx(name, x, ax)
   _check_common(q.shape, k.shape, v.shape, mx.E4M3, window, out_dtype, scale)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -344,13 +349,7 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   cross-tile adds in a fixed order (bitwise reproducible) instead of unordered atomics.
   """
   for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
-    if not isinstance(x, mx.MXArray):
-      raise ValueError(f"{name} must be a jax_fa4.mx.MXArray, got {type(x).__name__}")
-    if x.ndim != 4:
-      raise ValueError(f"{name}.shape={tuple(x.shape)} must be rank 4")
-    if x.axis != 3:
-      raise ValueError(f"{name}.axis={x.axis} must be 3 ({name} is blocked along H)")
-    x.validate(name)
+    _check_mx(name, x, 3)
   _check_common(q.shape, k.shape, v.shape, mx.E4M3, window, jnp.float32, scale)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]

@@ -144,7 +144,7 @@ def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
 
 def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
   # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h, do_h serve every product:
-  # the second orientations (q_t, k_s, do_t) are unused here (and removed by XLA as dead code).
+  # the second orientations (q_t, k_s, do_t) are unused here.
   dq, dk, dv = _cuda_ops().backward(q_h, k_h, v_h, do_h, lse, delta, q_len, kv_len,
                                     scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
                                     deterministic=cfg.deterministic)

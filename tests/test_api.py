@@ -204,6 +204,7 @@ def _bad(**over):
     (dict(mask=jnp.ones((1, 1, 8, 8), jnp.float32)), TypeError, r"mask.dtype=float32 must be bool"),
     (dict(implementation="cudnn"), ValueError, r"implementation='cudnn' must be one of"),
     (dict(scale=float("nan")), ValueError, r"scale=nan must be a finite"),
+    (dict(deterministic="yes"), TypeError, r"deterministic='yes' must be a bool"),
 ])
 def test_bad_input_raises_naming_the_argument(over, exc, pattern):
   with pytest.raises(exc, match=pattern):
@@ -231,3 +232,15 @@ def test_unavailable_explicit_backend_raises():
     with pytest.raises(ValueError, match=r"head_dim=48 must be one of \(64, 128, 256\)"):
       qq, kk, vv = _arrays(B=1, T=8, S=8, N=2, K=2, H=48)
       jax_fa4.dot_product_attention(qq, kk, vv, implementation=b)
+
+
+def test_deterministic_gradients_are_reproducible():
+  """deterministic=True: the default backend's gradients, bitwise equal from call to call (the CUDA
+  backward orders its dQ adds; tests/test_cuda_backward.py covers the kernel itself)."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 40, 2, 64), (1, 56, 1, 64), (1, 56, 1, 64)))
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_fa4.dot_product_attention(
+      q, k, v, is_causal=True, deterministic=True) ** 2), (0, 1, 2)))
+  a, b = grad(q, k, v), grad(q, k, v)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

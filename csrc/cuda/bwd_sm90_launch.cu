@@ -3,7 +3,6 @@
 // chunk, batch), key tiles fastest so that tile j - 1 is resident before tile j waits on it.
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <algorithm>
 #include "cuda/bwd_sm90_kernel.cuh"
 #include "cuda/launch.h"
 #include "cuda/tma_map.h"
@@ -63,10 +62,7 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   p.deterministic = a.deterministic ? 1 : 0;
   p.scale = a.scale;
   p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.mask.left = a.window_left < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_left, sm90::kUnbounded - 1);
-  int right = a.window_right < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_right, sm90::kUnbounded - 1);
-  if (a.causal) right = std::min(right, 0);
-  p.mask.right = right;
+  p.mask = sm90::make_mask_params(a.window_left, a.window_right, a.causal);
   switch (a.H) {
     case 64: return launch_h<64>(a, p, stream);
     case 128: return launch_h<128>(a, p, stream);

@@ -280,7 +280,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
       (int64_t)dv->element_count() != B * S * Kh * H ||
       (int64_t)sem->element_count() != B * N * ((T + kBwdBlockM - 1) / kBwdBlockM))
     return ffi::Error::InvalidArgument("bwd: an output has the wrong size");
-  if (T > INT32_MAX || S > INT32_MAX - 128 || B > 65535 || Kh * (H / 128 + 1) > 65535)
+  if (T > INT32_MAX || S > INT32_MAX - 128 || B > 65535 || Kh * ((H + 127) / 128) > 65535 /* kv heads x column chunks */)
     return ffi::Error::InvalidArgument("bwd: sizes exceed the kernel's grid");
   BwdArgs a{};
   a.B = (int)B; a.T = (int)T; a.S = (int)S; a.N = (int)N; a.Kh = (int)Kh; a.H = (int)H; a.T_pad = (int)T_pad;

@@ -61,10 +61,7 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   p.o = a.o; p.lse = a.lse;
   p.out_dtype = static_cast<sm90::OutDtype>(static_cast<int>(a.out_type));
   p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.mask.left = a.window_left < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_left, sm90::kUnbounded - 1);
-  int right = a.window_right < 0 ? sm90::kUnbounded : (int)std::min<int64_t>(a.window_right, sm90::kUnbounded - 1);
-  if (a.causal) right = std::min(right, 0);
-  p.mask.right = right;
+  p.mask = sm90::make_mask_params(a.window_left, a.window_right, a.causal);
   // Precision experiment switch (see fwd_sm90_mainloop.cuh); read per launch, off by default.
   const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;

@@ -13,6 +13,16 @@ struct MaskParams {
   int right;  // kUnbounded if none; causal folds in as min(right, 0)
 };
 
+// The launchers' encoding: window bounds -1 = unbounded (clamped below kUnbounded), causal folded
+// into the right bound.
+inline MaskParams make_mask_params(int64_t window_left, int64_t window_right, bool causal) {
+  MaskParams mk;
+  mk.left = window_left < 0 ? kUnbounded : (int)(window_left < kUnbounded - 1 ? window_left : kUnbounded - 1);
+  mk.right = window_right < 0 ? kUnbounded : (int)(window_right < kUnbounded - 1 ? window_right : kUnbounded - 1);
+  if (causal && mk.right > 0) mk.right = 0;
+  return mk;
+}
+
 // The key-tile range [n_lo, n_hi) a query tile [m0, m0 + BM) needs. Rows >= q_len give 0 output,
 // so the range is computed over the valid rows only; an empty range means "write zeros".
 template <int BM, int BN>
