@@ -224,16 +224,20 @@ def test_backward_jit_and_vmap():
   q, k, v, do = (jnp.asarray(x).reshape((2, B) + x.shape[1:]) for x in (q, k, v, do))
   ql, kl = jnp.full((2, B), T, jnp.int32), jnp.array([[S], [77]], jnp.int32)
 
-  def one(q, k, v, do, ql, kl):
+  # The kernel's inputs are made once per example and stacked, so the comparison is of the backward
+  # alone: XLA may sum delta = rowsum(O dO) in another order inside a vmapped jit, and dS's
+  # cancellation makes that visible (seen on the H200), which is not what this test is about.
+  def prep(q, k, v, do, ql, kl):
     qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
     o, lse = _ops().forward_mx(qm, km, vm, ql, kl, scale=0.125, out_dtype=jnp.float32)
-    delta = jnp.sum(o * do, -1)
-    return _ops().backward(qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, delta, ql, kl,
-                           scale=0.125, deterministic=True)
+    return qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, jnp.sum(o * do, -1), ql, kl
 
-  batched = jax.jit(jax.vmap(one))(q, k, v, do, ql, kl)
+  per = [prep(q[i], k[i], v[i], do[i], ql[i], kl[i]) for i in range(2)]
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per)
+  bwd = lambda *a: _ops().backward(*a, scale=0.125, deterministic=True)
+  batched = jax.jit(jax.vmap(bwd))(*stacked)
   for i in range(2):
-    each = one(q[i], k[i], v[i], do[i], ql[i], kl[i])
+    each = jax.jit(bwd)(*per[i])
     for x, y in zip(batched, each):
       np.testing.assert_array_equal(np.asarray(x[i]), np.asarray(y))
 
