@@ -339,14 +339,17 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
 
 def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, delta, q_seqlen,
              kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
-             deterministic: bool = False):
-  """MX attention backward on Hopper: ``(dq [B,T,N,H], dk, dv [B,S,K,H])`` in float32.
+             deterministic: bool = False, dkv_dtype=jnp.float32):
+  """MX attention backward on Hopper: ``(dq [B,T,N,H] float32, dk, dv [B,S,K,H] in dkv_dtype)``.
 
   q, k, v, do: MXArray blocked along H (axis 3): the forward's q and k, v and dO blocked along H.
   lse: the forward's float32 [B,T,N] (natural log, -inf for rows without keys); delta =
   rowsum(O * dO), float32 [B,T,N]. Every product runs on bf16 wgmma over the exact dequantized
-  values (csrc/cuda/bwd_sm90_kernel.cuh); dS is rounded to bf16. ``deterministic``: dQ's
-  cross-tile adds in a fixed order (bitwise reproducible) instead of unordered atomics.
+  values (csrc/cuda/bwd_sm90_kernel.cuh); dS is rounded to MX e4m3 as the recipe rounds it (along
+  S for dQ, along T for dK), online in registers. ``deterministic``: dQ's
+  cross-tile adds in a fixed order (bitwise reproducible) instead of unordered ones.
+  ``dkv_dtype``: float32, bfloat16 or float16; dK and dV are accumulated in fp32 and rounded once,
+  in the kernel, so no fp32 copy of them is made for a lower-precision caller.
   """
   for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
     _check_mx(name, x, 3)
@@ -361,12 +364,18 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
       raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be {(B, T, N)} float32")
   if not isinstance(deterministic, (bool, np.bool_)):
     raise ValueError(f"deterministic={deterministic!r} must be a bool")
+  try:
+    dkv_dtype = jnp.dtype(dkv_dtype)
+  except TypeError:
+    raise ValueError(f"dkv_dtype={dkv_dtype!r} must be one of float32, bfloat16, float16") from None
+  if dkv_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"dkv_dtype={dkv_dtype} must be one of float32, bfloat16, float16")
   q_len = _check_lengths("q_seqlen", q_seqlen, B)
   kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
   _ensure()
   if T == 0 or S == 0 or B == 0 or N == 0:
-    return (jnp.zeros((B, T, N, H), jnp.float32), jnp.zeros((B, S, K, H), jnp.float32),
-            jnp.zeros((B, S, K, H), jnp.float32))
+    return (jnp.zeros((B, T, N, H), jnp.float32), jnp.zeros((B, S, K, H), dkv_dtype),
+            jnp.zeros((B, S, K, H), dkv_dtype))
   qe, ke, ve, doe = (_exact_rows(x)[0] for x in (q, k, v, do))
   t_pad = -(-T // _BWD_BLOCK_M) * _BWD_BLOCK_M
   # P = exp2(S scale log2e - lse2): rows past q_len and rows without keys get lse2 = +inf (P = 0).
@@ -376,9 +385,10 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - T)), constant_values=np.inf)
   delta_t = jnp.pad(jnp.asarray(delta).transpose(0, 2, 1), ((0, 0), (0, 0), (0, t_pad - T)))
   left, right = _norm_window(window)
-  out = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
-         jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
-         jax.ShapeDtypeStruct((B, N, t_pad // _BWD_BLOCK_M), jnp.int32))
+  chunks = H // 128 if H > 128 else 1  # CTAs per key tile along H (launch.h bwd_column_chunks)
+  out = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
+         jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
+         jax.ShapeDtypeStruct((B, N, chunks, t_pad // _BWD_BLOCK_M), jnp.int32))
   dq, dk, dv, _ = jax.ffi.ffi_call(_T_BWD, out, vmap_method="broadcast_all")(
       qe, ke, ve, doe, lse2, delta_t, q_len, kv_len, scale=np.float32(scale),
       causal=np.int64(bool(is_causal)), window_left=np.int64(left), window_right=np.int64(right),

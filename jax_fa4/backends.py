@@ -145,9 +145,16 @@ def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
 def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
   # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h, do_h serve every product:
   # the second orientations (q_t, k_s, do_t) are unused here.
+  # dK and dV leave the kernel in the gradients' dtype when k and v share one (rounded once from
+  # fp32 in the kernel: no fp32 copies of them for bf16 training); dQ is fp32 (accumulated across
+  # CTAs), scaled and cast in one XLA pass.
+  dkv = {cfg.grad_dtypes[1], cfg.grad_dtypes[2]}
+  dkv_dtype = dkv.pop() if len(dkv) == 1 and None not in dkv else "float32"
+  if dkv_dtype not in ("float32", "bfloat16", "float16"):
+    dkv_dtype = "float32"
   dq, dk, dv = _cuda_ops().backward(q_h, k_h, v_h, do_h, lse, delta, q_len, kv_len,
                                     scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
-                                    deterministic=cfg.deterministic)
+                                    deterministic=cfg.deterministic, dkv_dtype=dkv_dtype)
   return dq, dk, dv, None
 
 

@@ -242,6 +242,36 @@ def test_backward_jit_and_vmap():
       np.testing.assert_array_equal(np.asarray(x[i]), np.asarray(y))
 
 
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_deterministic_all_head_dims_and_dkv_dtypes(H):
+  """deterministic=True is bitwise reproducible at every head dim (H = 256 runs two column-chunk
+  CTAs per key tile, each chunk with its own order counters), and dK / dV requested in bf16 / fp16
+  are the fp32 results rounded once (they are summed in registers, in a fixed order)."""
+  B, T, S, N, K = 2, 300, 520, 4, 2  # 5 query tiles x 5 key tiles, GQA
+  q, k, v = make_qkv("normal", B, T, S, N, K, H, seed=_SEED + 11)
+  do = make_do("varying", B, T, N, H, seed=_SEED + 12)
+  q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
+  ql, kl = jnp.array([300, 257], jnp.int32), jnp.array([520, 390], jnp.int32)
+  qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+  kw = dict(scale=H ** -0.5, is_causal=True, window=(200, None))
+  o, lse = _ops().forward_mx(qm, km, vm, ql, kl, out_dtype=jnp.float32, **kw)
+  args = (qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, jnp.sum(o * do, -1), ql, kl)
+  a = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  b = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  for name, x, y in zip(("dq", "dk", "dv"), a, b):
+    np.testing.assert_array_equal(x, y, err_msg=name)
+  c = [np.asarray(x) for x in _ops().backward(*args, deterministic=False, **kw)]
+  for name, x, y in zip(("dq", "dk", "dv"), a, c):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-6 * np.abs(x).max(), err_msg=name)
+  for dt in (jnp.bfloat16, jnp.float16):
+    g = _ops().backward(*args, deterministic=True, dkv_dtype=dt, **kw)
+    assert g[0].dtype == jnp.float32 and g[1].dtype == dt and g[2].dtype == dt
+    np.testing.assert_array_equal(np.asarray(g[0]), a[0], err_msg="dq")
+    for name, x, y in (("dk", g[1], a[1]), ("dv", g[2], a[2])):
+      np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
+                                    np.asarray(jnp.asarray(y).astype(dt).astype(jnp.float32)), err_msg=name)
+
+
 def test_backward_bad_input_raises():
   q = mx.quantize(jnp.ones((1, 8, 2, 64)), 3)
   k = mx.quantize(jnp.ones((1, 8, 1, 64)), 3)
@@ -255,3 +285,5 @@ def test_backward_bad_input_raises():
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, window=(-2, None))
   with pytest.raises(ValueError, match="deterministic"):
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, deterministic="yes")
+  with pytest.raises(ValueError, match="dkv_dtype"):
+    _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, dkv_dtype=jnp.int8)

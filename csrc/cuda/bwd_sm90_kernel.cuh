@@ -7,18 +7,23 @@
 //     P^T = exp2(S^T * scale log2e - lse log2e) (0 where masked), dS^T = P^T (dP^T - delta);
 //     dV += P8^T dO with P8 = e4m3(P * 256) (the recipe's fixed P scale; /256 in the epilogue),
 //     dK += dS^T Q (RS wgmma: P^T / dS^T straight from the accumulator registers, dO / Q N-major);
-//     dS^T -> shared memory (bf16), then dQ = dS K (SS, both operands MN-major) and fp32 atomics
-//     into dQ, or, with `deterministic`, adds ordered across the key tiles by a per-tile counter.
+//     dS^T -> shared memory (bf16), then dQ = dS K (SS, both operands MN-major); each consumer
+//     stores its fp32 dQ tile to shared memory and warp 1 of the producer warpgroup adds it to the
+//     global dQ with TMA reduce-add (H = 256, short of shared memory: fp32 atomics from registers);
+//     with `deterministic`, the adds are ordered across the key tiles by a per-tile counter.
 // Operands: bf16 holding exact dequantized MX values (q, k blocked along H, v and dO along H), so
-// every product is exact up to fp32 summation order; dS is rounded to bf16 (8 significant bits,
-// finer than the recipe's MX e4m3). Masks: mask.cuh (lengths, causal, windows).
+// every product is exact up to fp32 summation order; dS is rounded as the recipe rounds it (MX
+// e4m3, blocked along T for dK and along S for dQ), online in registers, and held as the exact bf16
+// values of that rounding. Masks: mask.cuh (lengths, causal, windows).
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 #include "cuda/bwd_wgmma_ops.cuh"
 #include "cuda/mask.cuh"
+#include "cuda/mx_math.cuh"
 #include "cuda/sm90_ptx.cuh"
 #include "cuda/tile_config.cuh"
 
@@ -34,9 +39,10 @@ struct BwdParams {
   const int32_t* q_len;   // [B]
   const int32_t* kv_len;  // [B]
   float* dq;              // [B, T, N, H] fp32, zeroed by the launcher; unscaled (dS K)
-  float* dk;              // [B, S, Kh, H] fp32 (scale applied)
-  float* dv;              // [B, S, Kh, H] fp32
-  int32_t* sem;           // [B, N, num_m_blocks] zeroed; used when deterministic
+  void* dk;               // [B, S, Kh, H] (scale applied), fp32 / bf16 / fp16 as dkv_type
+  void* dv;               // [B, S, Kh, H]
+  int dkv_type;           // 0 fp32, 1 bf16, 2 fp16 (launch.h FloatType)
+  int32_t* sem;           // [B, N, column chunks, num_m_blocks] zeroed; used when deterministic
   int deterministic;
   float scale;            // softmax scale (dK's factor)
   float scale_log2;       // softmax scale * log2(e)
@@ -65,6 +71,30 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t pack_p8_bf16x2(float p_lo, float p_hi) {
   const float2 f = e4m3x2_to_float2(cvt_e4m3x2(p_lo * 256.f, p_hi * 256.f));
   return pack_bf16x2(f.x, f.y);
+}
+
+// Two adjacent outputs of dK / dV in the caller's gradient dtype (one rounding from fp32).
+__device__ __forceinline__ void store_pair(void* base, int64_t i, int type, float x, float y) {
+  if (type == 1) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + i) = __floats2bfloat162_rn(x, y);
+  } else if (type == 2) {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(base) + i) = __floats2half2_rn(x, y);
+  } else {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(x, y);
+  }
+}
+
+// The deterministic order of dQ adds: the counter of (batch, head, column chunk, query tile) counts
+// the key tiles that have added; key tile n_tile adds when it reads its rank. Column chunks add
+// disjoint columns, so each chunk has its own counter.
+__device__ __forceinline__ void dq_order_acquire(const int32_t* sem, int rank) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+  } while (v != rank);
+}
+__device__ __forceinline__ void dq_order_release(int32_t* sem) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
 }
 
 // The query-tile range [m_lo, m_hi) whose rows meet keys [k0, k0 + BN): the exact interval test of
@@ -97,10 +127,12 @@ template <int H>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                    const BwdParams p) {
+                    const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
   using Cfg = BwdTileConfig<H>;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages, HV = Cfg::kHV, SW = Cfg::kSw;
   constexpr int ATOMS = Cfg::kAtoms;
+  constexpr bool kDQSmem = Cfg::kDQViaSmem;
+  constexpr int kDQTile = BM * 64 * 4;  // one consumer's fp32 dQ tile: two 32-column halves of BM x 128 B
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -109,17 +141,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sQ = sV + Cfg::kKBytes;        // ST tiles
   uint8_t* sdO = sQ + ST * Cfg::kQBytes;  // ST tiles
   uint8_t* sdS = sdO + ST * Cfg::kQBytes; // 2 buffers
-  float* sLse = reinterpret_cast<float*>(sdS + 2 * Cfg::kDSBytes);  // ST x BM
-  float* sDelta = sLse + ST * BM;                                   // ST x BM
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sDelta + ST * BM);
+  uint8_t* sdQ = sdS + 2 * Cfg::kDSBytes;  // kNumConsumerWG dQ tiles (when kDQSmem)
+  float* sLse = reinterpret_cast<float*>(sdQ + (kDQSmem ? Cfg::kDQBytes : 0));  // ST x BM
+  float* sDelta = sLse + ST * BM;                                               // ST x BM
+  uint8_t* sXchg = reinterpret_cast<uint8_t*>(sDelta + ST * BM);  // [consumer][warp][BM / 2] u16x2 scale-byte words
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sXchg + Cfg::kXchgBytes);
   uint64_t* bar_kv = bars;
   uint64_t* bar_full = bars + 1;
   uint64_t* bar_empty = bars + 1 + ST;
+  uint64_t* bar_dq_full = bars + 1 + 2 * ST;   // both consumers' dQ tiles stored (every thread arrives)
+  uint64_t* bar_dq_empty = bars + 2 + 2 * ST;  // the reduce-add has read the dQ tiles
 
   const int n_tile = blockIdx.x;  // key tile: fastest grid index, so tile j-1 launches before j
   const int k0 = n_tile * BN;
   const int kh = blockIdx.y / Cfg::kChunks;
-  const int h0 = (blockIdx.y % Cfg::kChunks) * HV;  // this CTA's dK / dV / dQ columns
+  const int chunk = blockIdx.y % Cfg::kChunks;
+  const int h0 = chunk * HV;  // this CTA's dK / dV / dQ columns
   const int b = blockIdx.z;
   const int q_len = min(max(p.q_len[b], 0), p.T);
   const int kv_len = min(max(p.kv_len[b], 0), p.S);
@@ -132,8 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(bar_kv, 1);
     for (int s = 0; s < ST; ++s) {
       mbar_init(&bar_full[s], 1);
-      mbar_init(&bar_empty[s], kNumConsumerWG * 4);
+      mbar_init(&bar_empty[s], kNumConsumerWG * kWarpgroupThreads);
     }
+    mbar_init(bar_dq_full, kNumConsumerWG * kWarpgroupThreads);
+    mbar_init(bar_dq_empty, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -167,6 +206,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_load(sLse + s * BM, p.lse2 + row, BM * 4, &bar_full[s]);
         bulk_load(sDelta + s * BM, p.delta + row, BM * 4, &bar_full[s]);
       }
+    } else if (kDQSmem && threadIdx.x == 32 && n_iters > 0) {
+      // dQ writer: per query tile, add both consumers' fp32 tiles to the global dQ (TMA reduce-add).
+      tma_prefetch_desc(&tm_dq);
+      for (int it = 0; it < n_iters; ++it) {
+        const int n_head = kh * p.group + it / n_m;
+        const int m_block = m_lo + it % n_m;
+        const int m0 = m_block * BM;
+        int32_t* sem = p.sem + (((int64_t)b * p.N + n_head) * Cfg::kChunks + chunk) * p.num_m_blocks + m_block;
+        mbar_wait(bar_dq_full, it & 1);
+        if (p.deterministic) {
+          dq_order_acquire(sem, n_tile - first_key_tile<BM, BN>(m0, p.mask));
+          fence_proxy_async_global();  // the acquired adds of earlier key tiles come before this one
+        }
+#pragma unroll
+        for (int c = 0; c < kNumConsumerWG; ++c) {
+          const int q_col = Cfg::kSplitKeysDQ ? h0 : h0 + 64 * c;
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            tma_reduce_add_4d(&tm_dq, sdQ + c * kDQTile + half * (kDQTile / 2), q_col + 32 * half, m0, n_head, b);
+        }
+        bulk_commit();
+        if (p.deterministic) {
+          bulk_wait<0>();              // the adds are performed in global memory ...
+          fence_proxy_async_global();  // ... and ordered before the release of the next key tile
+          dq_order_release(sem);
+        } else {
+          bulk_wait_read<0>();  // the tiles have been read: the consumers may store the next ones
+        }
+        mbar_arrive(bar_dq_empty);
+      }
+      bulk_wait<0>();
     }
     return;
   }
@@ -249,7 +319,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) pa[kk][r] = pack_p8_bf16x2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
 
-    wgmma_wait<0>();
+    // ---- dV += P8^T dO, issued before dS is formed so that dS and its rounding run while it does
+    // (B N-major: the HV columns from h0 run along the 128-byte rows, one 64-column atom every
+    // BM * 128 bytes).
+#pragma unroll
+    for (int i = 0; i < HV / 2; ++i) {
+      reg_fence(dv[i]);
+      reg_fence(dk[i]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) reg_fence(pa[kk][r]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const uint64_t db = make_desc_mn128(do_base + (h0 / 64) * BM * SW + kk * 16 * SW, BM * SW);
+      BwdMma<HV>::rs_n(dv, pa[kk], db, 1);
+    }
+    wgmma_commit();
+
+    wgmma_wait<1>();  // dP^T done (dV may still run)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) reg_fence(dp[i]);
     // ---- dS^T = P^T (dP^T - delta), exactly 0 where masked (a NaN in a masked V must not leak).
@@ -267,32 +357,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         dp[4 * j + e] = ds;
       }
     }
+    // ---- dS rounded as the recipe rounds it (NUMERICS.md section 3): MX e4m3 blocked along T for
+    // dK = dS^T Q (here) and along S for dQ = dS K (below, while dK runs), held as the exact bf16
+    // values of that rounding. The kernel first kept dS in bf16, finer than the recipe; on outlier
+    // inputs that missed the contract on some seeds (1.05-1.08x the recipe's dQ / dK error, measured
+    // on the H200 and reproduced in float64): the contract measures against the recipe's rounding.
+    // T-blocks: key half kh2 (register bit 1) x query block qb (j in [4 qb, 4 qb + 4)); a thread holds
+    // 8 of a block's 32 values, its quad (the 4 tq lanes) the rest.
     uint32_t dsa[BM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
+    for (int kh2 = 0; kh2 < 2; ++kh2)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) dsa[kk][r] = pack_bf16x2(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
-
-    // ---- dV += P8^T dO and dK += dS^T Q over this tile's BM queries (B N-major: the HV columns
-    // from h0 run along the 128-byte rows, one 64-column atom every BM * 128 bytes).
+      for (int qb = 0; qb < BM / 32; ++qb) {
+        uint32_t am = 0u;
 #pragma unroll
-    for (int i = 0; i < HV / 2; ++i) {
-      reg_fence(dv[i]);
-      reg_fence(dk[i]);
-    }
+        for (int j = 4 * qb; j < 4 * qb + 4; ++j)
+          am = max(am, max(prep::abs_bits(dp[4 * j + 2 * kh2]), prep::abs_bits(dp[4 * j + 2 * kh2 + 1])));
+        am = max(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = max(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        const prep::MxScale st = prep::mx_scale_of_byte(prep::online_scale_byte(am));
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        reg_fence(pa[kk][r]);
-        reg_fence(dsa[kk][r]);
+        for (int j = 4 * qb; j < 4 * qb + 4; ++j) {
+          const float2 v = prep::mx_round2(dp[4 * j + 2 * kh2], dp[4 * j + 2 * kh2 + 1], st);
+          dsa[j >> 1][((j & 1) << 1) | kh2] = pack_bf16x2(v.x, v.y);  // register r of k-step kk: j = 2 kk + (r >> 1)
+        }
       }
-    wgmma_fence();
+
+    // ---- dK += dS^T Q over this tile's BM queries (RS: dS^T from the registers above).
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint64_t db = make_desc_mn128(do_base + (h0 / 64) * BM * SW + kk * 16 * SW, BM * SW);
-      BwdMma<HV>::rs_n(dv, pa[kk], db, 1);
-    }
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) reg_fence(dsa[kk][r]);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
       const uint64_t db = make_desc_mn128(q_base + (h0 / 64) * BM * SW + kk * 16 * SW, BM * SW);
@@ -300,18 +396,50 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
 
+    // ---- S-blocks of dS for dQ: the 32 keys of one query are this thread's 2 key halves, the 8 gid
+    // lanes of its warp and the partner warp (warp ^ 1). The scale rule is monotone, so the block's
+    // byte is the max of per-lane bytes: bytes of query slots 2 j, 2 j + 1 (queries 8 j + 2 tq + {0, 1})
+    // travel as one u16x2 word through the shuffles and, between the two warps, shared memory.
+    uint32_t bw[BM / 8];
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const uint32_t b0 = prep::online_scale_byte(max(prep::abs_bits(dp[4 * j]), prep::abs_bits(dp[4 * j + 2])));
+      const uint32_t b1 = prep::online_scale_byte(max(prep::abs_bits(dp[4 * j + 1]), prep::abs_bits(dp[4 * j + 3])));
+      uint32_t w = b0 | (b1 << 16);
+      w = prep::max_u16x2(w, __shfl_xor_sync(0xffffffffu, w, 4));
+      w = prep::max_u16x2(w, __shfl_xor_sync(0xffffffffu, w, 8));
+      w = prep::max_u16x2(w, __shfl_xor_sync(0xffffffffu, w, 16));
+      bw[j] = w;
+    }
+    {
+      uint32_t* mine = reinterpret_cast<uint32_t*>(sXchg) + (cw * 4 + warp) * (BM / 2);
+      const uint32_t* other = reinterpret_cast<const uint32_t*>(sXchg) + (cw * 4 + (warp ^ 1)) * (BM / 2);
+      if (gid == 0) {
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) mine[4 * j + tq] = bw[j];
+      }
+      // The two warps of a 32-key block (64 threads; ids 3..6). The partner reads these words before
+      // it reaches barrier 1 below, and this warp writes the next tile's only after barrier 1.
+      asm volatile("bar.sync %0, 64;" ::"r"(3 + 2 * cw + (warp >> 1)) : "memory");
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) bw[j] = prep::max_u16x2(bw[j], other[4 * j + tq]);
+    }
+
     // ---- dS^T -> shared memory (bf16, [keys][BM queries], 128B-swizzled rows) for dQ = dS K.
-    // Register r of k-step kk holds (key key_loc[r & 1], queries 16 kk + 8 (r >> 1) + 2 tq + {0, 1}).
+    // Values dp[4 j + 2 kh2 + {0, 1}] are (key key_loc[kh2], queries 8 j + 2 tq + {0, 1}): 16-byte
+    // chunk j of the key's row.
     uint8_t* ds_buf = sdS + (it & 1) * Cfg::kDSBytes;
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
+    for (int j = 0; j < BM / 8; ++j) {
+      const prep::MxScale s0 = prep::mx_scale_of_byte(bw[j] & 0xffffu), s1 = prep::mx_scale_of_byte(bw[j] >> 16);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int key = key_loc[r & 1];
-        const int chunk16 = 2 * kk + (r >> 1);  // 16-byte chunk of the row (8 queries)
-        const uint32_t off = key * SW + ((chunk16 ^ (key & 7)) << 4) + tq * 4;
-        *reinterpret_cast<uint32_t*>(ds_buf + off) = dsa[kk][r];
+      for (int kh2 = 0; kh2 < 2; ++kh2) {
+        const float2 e = e4m3x2_to_float2(cvt_e4m3x2(dp[4 * j + 2 * kh2] * s0.down, dp[4 * j + 2 * kh2 + 1] * s1.down));
+        const int key = key_loc[kh2];
+        const uint32_t off = key * SW + ((j ^ (key & 7)) << 4) + tq * 4;
+        *reinterpret_cast<uint32_t*>(ds_buf + off) = pack_bf16x2(e.x * s0.up, e.y * s1.up);
       }
+    }
     // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync 1, 256;" ::: "memory");
@@ -333,50 +461,66 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<64>::ss_mn(dq, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) reg_fence(dq[i]);
+    wgmma_wait<1>();  // dV and dK done: Q, dO, lse and delta of stage s are no longer read
 #pragma unroll
     for (int i = 0; i < HV / 2; ++i) {
       reg_fence(dv[i]);
       reg_fence(dk[i]);
     }
-    // Q, dO, lse and delta of stage s are no longer read by this warp.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&bar_empty[s]);
+    // Every consumer thread arrives (as CUTLASS's pipelines do): an arrive releases only its own
+    // thread's reads, so one arrive per warp after __syncwarp would leave the other lanes' lse /
+    // delta reads unordered, by the letter of the PTX memory model, against the producer's next
+    // copy into the stage (compute-sanitizer racecheck reported exactly that).
+    mbar_arrive(&bar_empty[s]);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) reg_fence(dq[i]);
 
-    // ---- dQ adds. Accumulator element i of n-group j: query m0 + 16 warp + gid + 8 ((i >> 1) & 1),
-    // column q_col + 8 j + 2 tq + (i & 1).
-    int32_t* sem = p.sem + ((int64_t)b * p.N + n_head) * p.num_m_blocks + m_block;
-    int rank = 0;
-    if (p.deterministic) {
-      rank = n_tile - first_key_tile<BM, BN>(m0, p.mask);
-      if (threadIdx.x == kWarpgroupThreads) {
-        int v;
-        do {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
-        } while (v != rank);
-      }
-      asm volatile("bar.sync 2, 256;" ::: "memory");
-    }
+    // Accumulator element i of n-group j: query m0 + 16 warp + gid + 8 ((i >> 1) & 1), column
+    // q_col + 8 j + 2 tq + (i & 1).
+    if constexpr (kDQSmem) {
+      // ---- dQ tile -> shared memory for the writer's TMA reduce-add: two 32-column halves, each
+      // BM rows of 128 bytes, 128B-swizzled as the tensor map expects (16-byte chunk ^ (row & 7));
+      // a warp's float2 stores then fill every bank twice (two wavefronts, no conflicts).
+      if (it > 0) mbar_wait(bar_dq_empty, (it - 1) & 1);
+      uint8_t* tile = sdQ + cw * kDQTile;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + warp * 16 + gid + 8 * h;
-      if (row < p.T) {
-        float* dst = p.dq + (((int64_t)b * p.T + row) * p.N + n_head) * p.H + q_col + 2 * tq;
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]));
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp * 16 + gid + 8 * h;
+          const int chunk16 = (j % 4) * 2 + tq / 2;
+          const uint32_t off = (j / 4) * (kDQTile / 2) + r * 128 + ((chunk16 ^ (r & 7)) << 4) + (tq & 1) * 8;
+          *reinterpret_cast<float2*>(tile + off) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+        }
+      fence_proxy_async_shared();
+      mbar_arrive(bar_dq_full);
+    } else {
+      // ---- dQ adds from registers (fp32 atomics), ordered across key tiles when deterministic.
+      int32_t* sem = p.sem + (((int64_t)b * p.N + n_head) * Cfg::kChunks + chunk) * p.num_m_blocks + m_block;
+      if (p.deterministic) {
+        if (threadIdx.x == kWarpgroupThreads) dq_order_acquire(sem, n_tile - first_key_tile<BM, BN>(m0, p.mask));
+        asm volatile("bar.sync 2, 256;" ::: "memory");
       }
-    }
-    if (p.deterministic) {
-      __threadfence();
-      asm volatile("bar.sync 2, 256;" ::: "memory");
-      if (threadIdx.x == kWarpgroupThreads) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem) : "memory");
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m0 + warp * 16 + gid + 8 * h;
+        if (row < p.T) {
+          float* dst = p.dq + (((int64_t)b * p.T + row) * p.N + n_head) * p.H + q_col + 2 * tq;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]));
+        }
+      }
+      if (p.deterministic) {
+        __threadfence();
+        asm volatile("bar.sync 2, 256;" ::: "memory");
+        if (threadIdx.x == kWarpgroupThreads) dq_order_release(sem);
+      }
     }
   }
 
-  // ---- Epilogue: dK * scale, dV / 256 (P8 carried the factor 256), fp32, rows < S.
+  // ---- Epilogue: dK * scale, dV / 256 (P8 carried the factor 256), rows < S, in the gradient dtype.
   const float inv256 = 1.f / 256.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -385,10 +529,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t base = (((int64_t)b * p.S + key) * p.Kh + kh) * p.H + h0 + 2 * tq;
 #pragma unroll
     for (int j = 0; j < HV / 8; ++j) {
-      *reinterpret_cast<float2*>(p.dk + base + 8 * j) =
-          make_float2(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-      *reinterpret_cast<float2*>(p.dv + base + 8 * j) =
-          make_float2(dv[4 * j + 2 * h] * inv256, dv[4 * j + 2 * h + 1] * inv256);
+      store_pair(p.dk, base + 8 * j, p.dkv_type, dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+      store_pair(p.dv, base + 8 * j, p.dkv_type, dv[4 * j + 2 * h] * inv256, dv[4 * j + 2 * h + 1] * inv256);
     }
   }
 }

@@ -14,6 +14,9 @@ using sm90::BwdParams;
 using sm90::BwdTileConfig;
 
 static_assert(kBwdBlockM == BwdTileConfig<128>::kBlockM, "launch.h and tile_config.cuh disagree on BM");
+static_assert(bwd_column_chunks(64) == BwdTileConfig<64>::kChunks && bwd_column_chunks(128) == BwdTileConfig<128>::kChunks &&
+                  bwd_column_chunks(256) == BwdTileConfig<256>::kChunks,
+              "launch.h and tile_config.cuh disagree on the column chunks");
 
 template <int H>
 cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
@@ -30,11 +33,22 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   if (auto e = rows_map(&tm_do, a.dout, a.T, a.N, Cfg::kBlockM); e != cudaSuccess) return e;
   if (auto e = rows_map(&tm_k, a.k, a.S, a.Kh, Cfg::kBlockN); e != cudaSuccess) return e;
   if (auto e = rows_map(&tm_v, a.v, a.S, a.Kh, Cfg::kBlockN); e != cudaSuccess) return e;
+  // dQ as fp32 elements [B, T, N, H]: the writer's reduce-add box is 32 columns (128 bytes, the
+  // 128B swizzle's row) x BM rows; rows past T are dropped by the TMA unit.
+  CUtensorMap tm_dq;
+  {
+    const cuuint64_t dims[4] = {(cuuint64_t)a.H, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
+    const cuuint64_t str[3] = {(cuuint64_t)a.N * a.H * 4, (cuuint64_t)a.H * 4, (cuuint64_t)a.T * a.N * a.H * 4};
+    const cuuint32_t box[4] = {32, (cuuint32_t)Cfg::kBlockM, 1, 1};
+    if (auto e = make_map(&tm_dq, a.dq, dims, str, box, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+        e != cudaSuccess)
+      return e;
+  }
   if (cudaError_t e = set_max_smem_once<sm90::bwd_sm90_kernel<H>>(Cfg::kSmemBytes); e != cudaSuccess) return e;
   const int n_tiles = (a.S + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if ((int64_t)a.Kh * Cfg::kChunks > 65535) return cudaErrorInvalidValue;
   dim3 grid(n_tiles, a.Kh * Cfg::kChunks, a.B);
-  sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, tm_do, p);
+  sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, tm_do, tm_dq, p);
   return cudaGetLastError();
 }
 
@@ -48,7 +62,7 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   if (cudaError_t e = cudaMemsetAsync(a.dq, 0, sizeof(float) * (size_t)a.B * a.T * a.N * a.H, stream); e != cudaSuccess)
     return e;
   if (a.deterministic) {
-    if (cudaError_t e = cudaMemsetAsync(a.sem, 0, sizeof(int32_t) * (size_t)a.B * a.N * num_m_blocks, stream);
+    if (cudaError_t e = cudaMemsetAsync(a.sem, 0, sizeof(int32_t) * (size_t)a.B * a.N * bwd_column_chunks(a.H) * num_m_blocks, stream);
         e != cudaSuccess)
       return e;
   }
@@ -59,6 +73,7 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   p.num_m_blocks = num_m_blocks;
   p.lse2 = a.lse2; p.delta = a.delta; p.q_len = a.q_len; p.kv_len = a.kv_len;
   p.dq = a.dq; p.dk = a.dk; p.dv = a.dv; p.sem = a.sem;
+  p.dkv_type = static_cast<int>(a.dkv_type);
   p.deterministic = a.deterministic ? 1 : 0;
   p.scale = a.scale;
   p.scale_log2 = a.scale * 1.4426950408889634f;

@@ -246,12 +246,13 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
 
 // ---------------------------------------------------------------------------------------------
 // bwd: q, dout [..., T, N, H], k, v [..., S, Kh, H] bf16 (exact dequantized MX values); lse2, delta
-// [..., N, T_pad] f32 -> dq [..., T, N, H], dk, dv [..., S, Kh, H] f32, sem [..., N, ceil(T/64)] scratch.
+// [..., N, T_pad] f32 -> dq [..., T, N, H] f32, dk, dv [..., S, Kh, H] f32 / bf16 / f16 (both alike),
+// sem [..., N, column chunks, ceil(T/64)] scratch.
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                    ffi::Buffer<ffi::F32> lse2, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
                    int64_t window_right, int64_t deterministic, ffi::Result<ffi::Buffer<ffi::F32>> dq,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::Buffer<ffi::S32>> sem) {
   for (const ffi::AnyBuffer* x : {&q, &k, &v, &dout})
     if (x->element_type() != ffi::DataType::BF16)
@@ -278,8 +279,11 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return ffi::Error::InvalidArgument("bwd: q_len and kv_len must have B entries");
   if ((int64_t)dq->element_count() != B * T * N * H || (int64_t)dk->element_count() != B * S * Kh * H ||
       (int64_t)dv->element_count() != B * S * Kh * H ||
-      (int64_t)sem->element_count() != B * N * ((T + kBwdBlockM - 1) / kBwdBlockM))
+      (int64_t)sem->element_count() != B * N * bwd_column_chunks((int)H) * ((T + kBwdBlockM - 1) / kBwdBlockM))
     return ffi::Error::InvalidArgument("bwd: an output has the wrong size");
+  FloatType dkv_type;
+  if (!float_type_of(dk->element_type(), &dkv_type) || dv->element_type() != dk->element_type())
+    return ffi::Error::InvalidArgument("bwd: dk and dv must both be f32, bf16 or f16");
   if (T > INT32_MAX || S > INT32_MAX - 128 || B > 65535 || Kh * ((H + 127) / 128) > 65535 /* kv heads x column chunks */)
     return ffi::Error::InvalidArgument("bwd: sizes exceed the kernel's grid");
   BwdArgs a{};
@@ -293,8 +297,9 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   a.q_len = q_len.typed_data();
   a.kv_len = kv_len.typed_data();
   a.dq = dq->typed_data();
-  a.dk = dk->typed_data();
-  a.dv = dv->typed_data();
+  a.dk = dk->untyped_data();
+  a.dv = dv->untyped_data();
+  a.dkv_type = dkv_type;
   a.sem = sem->typed_data();
   a.scale = scale;
   a.causal = causal != 0;
@@ -395,7 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaBwd, BwdImpl,
                                   .Attr<int64_t>("window_right")       // -1: unbounded
                                   .Attr<int64_t>("deterministic")      // 0 / 1: ordered dQ adds
                                   .Ret<ffi::Buffer<ffi::F32>>()        // dq [..., T, N, H] (unscaled dS K)
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // dk [..., S, Kh, H]
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // dv [..., S, Kh, H]
-                                  .Ret<ffi::Buffer<ffi::S32>>(),       // sem [..., N, ceil(T/64)] scratch
+                                  .Ret<ffi::AnyBuffer>()               // dk [..., S, Kh, H] f32 / bf16 / f16
+                                  .Ret<ffi::AnyBuffer>()               // dv [..., S, Kh, H], dk's dtype
+                                  .Ret<ffi::Buffer<ffi::S32>>(),       // sem [..., N, chunks, ceil(T/64)] scratch
                               {ffi::Traits::kCmdBufferCompatible});

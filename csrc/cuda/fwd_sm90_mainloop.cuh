@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* bar_q = bars;
   uint64_t* bar_k = bars + 1;            // K tile + key scales landed
   uint64_t* bar_v = bars + 1 + ST;       // V^T tile landed
-  uint64_t* bar_empty = bars + 1 + 2 * ST;  // both consumers done with the stage (8 warps arrive)
+  uint64_t* bar_empty = bars + 1 + 2 * ST;  // both consumers done with the stage (every consumer thread arrives)
 
   // Heaviest query tiles first under causal masks (their key ranges are the longest).
   const int m_block = p.num_m_blocks - 1 - blockIdx.x;
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < ST; ++s) {
       mbar_init(&bar_k[s], 1);
       mbar_init(&bar_v[s], 1);
-      mbar_init(&bar_empty[s], kNumConsumerWG * 4);
+      mbar_init(&bar_empty[s], kNumConsumerWG * kWarpgroupThreads);
     }
     fence_barrier_init();
   }
@@ -254,8 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           softmax_tile(s, n_lo + it, a0, a1);
           wgmma_wait<0>();
           finish_pv(a_prev0, a_prev1);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&bar_empty[sp]);
+          mbar_arrive(&bar_empty[sp]);
           pack_p<BN>(sc, pa);
           a_prev0 = a0;
           a_prev1 = a1;
@@ -268,8 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           pp_arrive(true);
           wgmma_wait<0>();
           finish_pv(a_prev0, a_prev1);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&bar_empty[sp]);
+          mbar_arrive(&bar_empty[sp]);
         }
       }
     }
@@ -364,8 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           oj[3] = fmaf(oj[3], alpha1, ot[j * 4 + 3]);
         }
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&bar_empty[s]);
+      mbar_arrive(&bar_empty[s]);  // per thread: an arrive releases only its own reads
     }
     sm.finish();
     epilogue<H, BN>(p, o, sm.m, sm.l, sm.rf, rows, b, n_head, kh, q_len, tq);

@@ -60,9 +60,11 @@ struct BwdArgs {
   const int32_t* q_len;  // [B]
   const int32_t* kv_len; // [B]
   float* dq;             // [B, T, N, H] fp32: dS K, zeroed here, without the softmax scale
-  float* dk;             // [B, S, Kh, H] fp32
-  float* dv;             // [B, S, Kh, H] fp32
-  int32_t* sem;          // [B, N, ceil(T / 64)] scratch of the deterministic dQ order, zeroed here
+  void* dk;              // [B, S, Kh, H] in dkv_type
+  void* dv;              // [B, S, Kh, H] in dkv_type
+  FloatType dkv_type;    // fp32, bf16 or fp16: dK and dV leave the kernel in the gradients' dtype
+  int32_t* sem;          // [B, N, bwd_column_chunks(H), ceil(T / 64)] scratch of the deterministic
+                         // dQ order, zeroed here
   float scale;
   bool causal, deterministic;
   int64_t window_left, window_right;  // -1: unbounded
@@ -71,6 +73,9 @@ struct BwdArgs {
 cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream);
 // The query tile of the backward: lse2 / delta rows are padded to a multiple of it.
 constexpr int kBwdBlockM = 64;
+// Column chunks of the backward (CTAs per key tile along H): one CTA accumulates at most 128
+// columns of dK / dV (tile_config.cuh BwdTileConfig::kChunks).
+constexpr int bwd_column_chunks(int H) { return H > 128 ? H / 128 : 1; }
 
 // The smem padding unit of V^T and of the key scales (tile_config.cuh kSeqPad).
 constexpr int kSeqPad = 128;

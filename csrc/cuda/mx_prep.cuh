@@ -14,40 +14,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include "cuda/mx_math.cuh"
 #include "cuda/sm90_ptx.cuh"
 
 namespace jax_fa4::prep {
 
 using jax_fa4::sm90::cvt_e4m3x2;
 using jax_fa4::sm90::e4m3x2_to_float2;
-
-// e8m0 byte -> fp32 2^(byte-127): 0 -> 2^-127 (an fp32 subnormal), 255 -> NaN.
-__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
-  if (byte == 255u) return __int_as_float(0x7fc00000);
-  if (byte == 0u) return __int_as_float(0x00400000);
-  return __int_as_float(byte << 23);
-}
-
-// The scale byte of a block with absolute maximum amax (NUMERICS.md section 1, jax_fa4/mx.py):
-// v = amax * fp32(1/448); byte = biased exponent of v, +1 if its mantissa is non-zero, <= 254;
-// NaN -> 255. XLA flushes fp32 subnormals, so a subnormal v counts as 0 here too (byte 0).
-__device__ __forceinline__ uint32_t scale_byte_from_amax(float amax) {
-  if (amax != amax) return 255u;
-  const float v = __fmul_rn(amax, 1.0f / 448.0f);
-  const uint32_t bits = __float_as_uint(v);
-  const uint32_t exp = (bits >> 23) & 0xffu;
-  if (exp == 0u) return 0u;
-  const uint32_t byte = exp + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
-  return byte > 254u ? 254u : byte;
-}
-
-// x * 2^(127 - byte) exactly as mx.py does it: two normal power-of-two factors (floor split).
-__device__ __forceinline__ float scale_down(float x, uint32_t byte) {
-  const int e = 127 - (int)byte;                     // in [-127, 127]
-  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2)
-  const int e2 = e - e1;
-  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e2));
-}
 
 // Requantises packed e4m3 bytes from scale 2^blk to 2^row (row >= blk): exact unless it underflows.
 __device__ __forceinline__ uint32_t requant4(uint32_t w, float factor) {
@@ -315,14 +288,6 @@ __global__ void prep_v_transpose_kernel(const uint8_t* __restrict__ v, const uin
 // one-thread-per-block layout of quantize_mx_kernel strides its accesses by 32 elements); the 4
 // threads of a block combine their amax with two shuffles.
 constexpr int kExactPer = 8;
-
-// x * 2^(byte - 127) exactly as mx.dequantize: two normal power-of-two factors; NaN for byte 255.
-__device__ __forceinline__ float scale_up(float x, uint32_t byte) {
-  if (byte == 255u) return __int_as_float(0x7fc00000);
-  const int e = (int)byte - 127;                     // in [-127, 127]
-  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2), as mx._pow2_factors
-  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e - e1));
-}
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);

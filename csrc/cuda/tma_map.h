@@ -24,13 +24,15 @@ inline EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// 4-D tiled tensor map over uint8 (e4m3) data; dims/strides innermost first, strides in bytes.
+// 4-D tiled tensor map, uint8 (e4m3 or bytes of wider data) unless `dtype` says otherwise; dims and
+// box in elements, innermost first; strides in bytes.
 inline cudaError_t make_map(CUtensorMap* map, const void* base, const cuuint64_t dims[4], const cuuint64_t strides[3],
-                     const cuuint32_t box[4], CUtensorMapSwizzle swizzle) {
+                     const cuuint32_t box[4], CUtensorMapSwizzle swizzle,
+                     CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8) {
   const cuuint32_t estr[4] = {1, 1, 1, 1};
   EncodeTiledFn enc = encode_tiled();
   if (enc == nullptr) return cudaErrorSymbolNotFound;
-  CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides,
+  CUresult r = enc(map, dtype, 4, const_cast<void*>(base), dims, strides,
                                       box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;

@@ -1,0 +1,83 @@
+// Scalar MX (OCP MXFP8, NUMERICS.md section 1) arithmetic on the device, bit-exact with
+// jax_fa4/mx.py: the e8m0 scale rule and exact power-of-two scaling. Shared by the preparation
+// kernels (mx_prep.cuh) and the backward's online dS quantization (bwd_sm90_kernel.cuh).
+#pragma once
+#include <cstdint>
+#include "cuda/sm90_ptx.cuh"
+
+namespace jax_fa4::prep {
+
+// e8m0 byte -> fp32 2^(byte-127): 0 -> 2^-127 (an fp32 subnormal), 255 -> NaN.
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+  if (byte == 255u) return __int_as_float(0x7fc00000);
+  if (byte == 0u) return __int_as_float(0x00400000);
+  return __int_as_float(byte << 23);
+}
+
+// The scale byte of a block with absolute maximum amax (NUMERICS.md section 1, jax_fa4/mx.py):
+// v = amax * fp32(1/448); byte = biased exponent of v, +1 if its mantissa is non-zero, <= 254;
+// NaN -> 255. XLA flushes fp32 subnormals, so a subnormal v counts as 0 here too (byte 0).
+__device__ __forceinline__ uint32_t scale_byte_from_amax(float amax) {
+  if (amax != amax) return 255u;
+  const float v = __fmul_rn(amax, 1.0f / 448.0f);
+  const uint32_t bits = __float_as_uint(v);
+  const uint32_t exp = (bits >> 23) & 0xffu;
+  if (exp == 0u) return 0u;
+  const uint32_t byte = exp + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+  return byte > 254u ? 254u : byte;
+}
+
+// x * 2^(127 - byte) exactly as mx.py does it: two normal power-of-two factors (floor split).
+__device__ __forceinline__ float scale_down(float x, uint32_t byte) {
+  const int e = 127 - (int)byte;                     // in [-127, 127]
+  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2)
+  const int e2 = e - e1;
+  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e2));
+}
+
+// x * 2^(byte - 127) exactly as mx.dequantize: two normal power-of-two factors; NaN for byte 255.
+__device__ __forceinline__ float scale_up(float x, uint32_t byte) {
+  if (byte == 255u) return __int_as_float(0x7fc00000);
+  const int e = (int)byte - 127;                     // in [-127, 127]
+  const int e1 = (e >= 0) ? e / 2 : -((-e + 1) / 2);  // floor(e / 2), as mx._pow2_factors
+  return __fmul_rn(__fmul_rn(x, jax_fa4::sm90::pow2i(e1)), jax_fa4::sm90::pow2i(e - e1));
+}
+
+// ---- Online MX rounding of fp32 values held in registers (the backward's dS).
+// |x| as ordered bits: for non-negative floats the integer order is the float order (a NaN's bits
+// exceed +inf's), so block maxima are integer maxima.
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// The scale byte of a block from its amax bits, branch-free: v = amax * fp32(1/448); adding 2^23 - 1
+// to v's bits carries into the exponent exactly when the mantissa is non-zero (the rule's round-up).
+// Clamped to 253 so that both 2^(127 - byte) and 2^(byte - 127) are normal floats. It agrees with
+// scale_byte_from_amax except where no finite dS lands: amax == 0 gives 0 (and every element is 0),
+// amax < 448 * 2^-126 gives 1 (mx.py: 0; XLA flushes v), inf / NaN give 253 (254 / 255; a NaN
+// element still propagates: it is NaN after the rounding, and so is every sum over its block).
+__device__ __forceinline__ uint32_t online_scale_byte(uint32_t amax_bits) {
+  const uint32_t v = __float_as_uint(__fmul_rn(__uint_as_float(amax_bits), 1.0f / 448.0f));
+  return min((v + 0x7fffffu) >> 23, 253u);
+}
+
+struct MxScale {
+  float down, up;  // 2^(127 - byte), 2^(byte - 127)
+};
+__device__ __forceinline__ MxScale mx_scale_of_byte(uint32_t byte) {
+  return {__uint_as_float((254u - byte) << 23), __uint_as_float(byte << 23)};
+}
+
+// Two values of one block quantized to e4m3 (round-to-nearest-even, saturating) and dequantized:
+// mx.quantize then dequantize, as exact fp32 (and bf16) values. Byte 0 (amax 0) gives 0.
+__device__ __forceinline__ float2 mx_round2(float a, float b, MxScale s) {
+  const float2 e = jax_fa4::sm90::e4m3x2_to_float2(jax_fa4::sm90::cvt_e4m3x2(a * s.down, b * s.down));
+  return make_float2(e.x * s.up, e.y * s.up);
+}
+
+// Lane-wise max of two pairs of 16-bit unsigned integers (scale bytes two at a time).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+}  // namespace jax_fa4::prep
