@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the CUDA module, smoke-test it, run the GPU tests, the quick benchmark and
 # compute-sanitizer (memcheck, racecheck) on a tiny shape. Logs go to $OUT (default ./gpu_out).
-#   scripts/gpu_forward.sh [stages]   stages: any of build,smoke,test,bench,fullbench,sanitize,sass,ncu
+#   scripts/gpu_forward.sh [stages]   stages: any of build,smoke,loops,test,bench,fullbench,sanitize,sass,ncu
 #                                     (default: build,sass,smoke,probe,test,bench,sanitize)
 #   sanitize runs memcheck and racecheck; memcheck alone: stage memcheck
 set -u -o pipefail
@@ -139,6 +139,11 @@ for H in (128, 64, 256):
       print(f"speed B{B} T=S={T} N{N} H{H} causal={causal} variant={name}: {us:.1f} us, {fl / us / 1e6:.1f} TFLOP/s (prep incl.)", flush=True)
 os.environ["JAX_FA4_SM90_QK_PROMOTE"] = "0"; os.environ["JAX_FA4_SM90_PIPELINE"] = "0"
 PY
+fi
+
+if has loops; then
+  log "consumer-loop variants: bit-identity and timing (scripts/probe_fwd_loops.py)"
+  timeout ${LOOPS_TIMEOUT:-200} $PY scripts/probe_fwd_loops.py --json "$OUT/loops.json" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
 if has test; then

@@ -66,16 +66,15 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
   const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
-  // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |4 single-level O (mainloop).
+  // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |16 diagnostic (mainloop).
   p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
-  if (p.pipelined & 6) p.pipelined |= 1;
-  const bool pipe = (p.pipelined & 1) != 0;  // experimental variants: FP8 scores, H <= 128 only
+  if (p.pipelined & 18) p.pipelined |= 1;
+  const bool pipe = (p.pipelined & 1) != 0;  // the overlapped loop: H <= 128 only (registers)
   if (a.exact_scores) {
     p.qk_promote = 0;
-    p.pipelined = 0;
     switch (a.H) {
-      case 64: return launch_h<64, false, true>(a, p, stream);
-      case 128: return launch_h<128, false, true>(a, p, stream);
+      case 64: return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
+      case 128: return pipe ? launch_h<128, true, true>(a, p, stream) : launch_h<128, false, true>(a, p, stream);
       case 256: return launch_h<256, false, true>(a, p, stream);
       default: return cudaErrorInvalidValue;
     }

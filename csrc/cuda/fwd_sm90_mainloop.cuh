@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
   using Cfg = TileConfig<H, kExact ? 2 : 1>;
-  static_assert(!(kPipe && kExact), "the experimental overlapped loop exists for FP8 scores only");
+  static_assert(!kPipe || H <= 128, "the overlapped loop's registers (O, tile O, S, P) fit at H <= 128 only");
   constexpr int BM = kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages;
   constexpr int SWQK = Cfg::kSwQK, SWV = Cfg::kSwV;
 
@@ -131,47 +131,54 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kPipe && H <= 128) use_pipeline = n_tiles > 0;
     if constexpr (kPipe && H <= 128) {
       if (use_pipeline) {
-        // Intra-warpgroup overlap (FA3): while the tensor cores run this tile's Q K^T and the
-        // previous tile's P V, the warpgroup does the previous... (see the order below):
-        //   issue S(it) = Q K(it)^T; issue T = P(it-1) V(it-1); wait S; softmax(it) on the CUDA
-        //   cores while T is still in flight; wait T; O = O * alpha(it-1) + T; release stage it-1;
-        //   pack P(it). Same arithmetic, same order as the sequential loop: bit-identical output.
-        // H = 256 keeps the sequential loop (its tile accumulator does not fit beside S).
+        // Intra-warpgroup overlap (FA3): the softmax of tile it runs on the CUDA cores while the
+        // tensor cores still run the previous tile's P V:
+        //   issue S(it) = Q K(it)^T; issue T = P(it-1) V(it-1); wait S; softmax(it) while T is in
+        //   flight; wait T; O = O * alpha(it-1) + T; release stage it-1; pack P(it).
+        // Same arithmetic, same order as the sequential loop: bit-identical output.
+        // Registers at the peak: O, T (H/2 each), S (BN/2), P (BN/8): 208 at H = 128, so H = 256
+        // keeps the sequential loop.
         float sc[BN / 2];
         uint32_t pa[BN / 32][4];
         float a_prev0 = 1.f, a_prev1 = 1.f;
+        // Diagnostic bit 16 (timing only, WRONG results): no exp2 in the softmax (P = the exp2
+        // argument); leaving the MUFU work out and timing the rest says what the exp2 costs.
+        const bool diag_no_exp = (p.pipelined & 16) != 0;
         auto issue_qk = [&](int stage) {
           const uint32_t k_base = smem_u32(sK + stage * Cfg::kKBytes);
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
           wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < H / 32; ++kk) {
+          for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
             const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
             const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
             const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
-            Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
+            if constexpr (kExact) Wgmma<BN>::ss_bf16(sc, da, db, kk > 0 ? 1 : 0);
+            else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
         auto softmax_tile = [&](int stage, int n, float& a0, float& a1) {
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
-          scale_by_keys<BN>(sc, sKs + stage * BN, tq);
+          if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + stage * BN, tq);
           if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) mask_tile<BN>(sc, rows, n, kv_len, p.mask, tq);
-          sm.step(sc, a0, a1);
+          if (diag_no_exp) sm.template step<true>(sc, a0, a1);
+          else sm.step(sc, a0, a1);
         };
         // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = this overlapped loop; 2 = also ping-pong the two
         // consumers with named barriers (FA3: one warpgroup issues its GEMMs while the other runs
-        // softmax); 4 = accumulate P V straight into O (single-level, no tile accumulator: 64 fewer
-        // live registers, no spills, but the fp8 accumulator drift of the first version).
+        // softmax). Only switches that touch no wgmma accumulator may be run-time values: a run-time
+        // choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize every
+        // wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
         const bool pingpong = (p.pipelined & 2) != 0;
-        const bool direct_o = (p.pipelined & 4) != 0;
         float ot[H / 2];
-        auto issue_pv = [&](int stage, float* acc, bool accumulate) {
+        // P(j) V(j) into the tile accumulator ot (two-level: finish_pv adds it to O in fp32).
+        auto issue_pv = [&](int stage) {
           const uint32_t v_base = smem_u32(sV + stage * Cfg::kVBytes);
 #pragma unroll
-          for (int i = 0; i < H / 2; ++i) reg_fence(acc[i]);
+          for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
           for (int kk = 0; kk < BN / 32; ++kk)
 #pragma unroll
@@ -180,32 +187,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int kk = 0; kk < BN / 32; ++kk) {
             const uint64_t dv = make_desc<SWV>(v_base + kk * 32);
-            Wgmma<H>::rs(acc, pa[kk], dv, (accumulate || kk > 0) ? 1 : 0);
+            Wgmma<H>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
-        // P(j) V(j) for the tile whose rescale factor is (a0, a1): into the tile accumulator (two-level)
-        // or, with direct_o, into O after rescaling it first.
-        auto start_pv = [&](int stage, float a0, float a1) {
-          if (direct_o) {
-#pragma unroll
-            for (int j = 0; j < H / 8; ++j) {
-              o[j * 4 + 0] *= a0;
-              o[j * 4 + 1] *= a0;
-              o[j * 4 + 2] *= a1;
-              o[j * 4 + 3] *= a1;
-            }
-            issue_pv(stage, o, true);
-          } else {
-            issue_pv(stage, ot, false);
-          }
-        };
         auto finish_pv = [&](float a0, float a1) {
-          if (direct_o) {
-#pragma unroll
-            for (int i = 0; i < H / 2; ++i) reg_fence(o[i]);
-            return;
-          }
 #pragma unroll
           for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
@@ -247,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(&bar_v[sp], phase_p);
           pp_sync();
           issue_qk(s);
-          start_pv(sp, a_prev0, a_prev1);
+          issue_pv(sp);
           pp_arrive(false);
           wgmma_wait<1>();  // S(it) done; PV(it-1) may still run
           float a0, a1;
@@ -263,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int sp = (n_tiles - 1) % ST;
           mbar_wait(&bar_v[sp], ((n_tiles - 1) / ST) & 1);
           pp_sync();
-          start_pv(sp, a_prev0, a_prev1);
+          issue_pv(sp);
           pp_arrive(true);
           wgmma_wait<0>();
           finish_pv(a_prev0, a_prev1);

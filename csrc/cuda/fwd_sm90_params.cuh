@@ -22,8 +22,8 @@ struct FwdParams {
   OutDtype out_dtype;
   float scale_log2;       // softmax scale * log2(e)
   MaskParams mask;
-  int qk_promote;
-  int pipelined;          // variant bits (env JAX_FA4_SM90_PIPELINE; H <= 128): 1 overlap, 2 ping-pong, 4 single-level O         // experiment: 1 = sum QK^T k-steps in fp32 (env JAX_FA4_SM90_QK_PROMOTE=1)
+  int qk_promote;         // experiment: 1 = sum QK^T k-steps in fp32 (env JAX_FA4_SM90_QK_PROMOTE=1)
+  int pipelined;          // loop variant bits (H <= 128): 1 overlap, 2 ping-pong, 16 diagnostic (no exp2)
 };
 
 }  // namespace jax_fa4::sm90

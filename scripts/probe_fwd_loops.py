@@ -1,0 +1,133 @@
+"""GPU probe of the forward kernel's consumer-loop variants (env JAX_FA4_SM90_PIPELINE, read per launch).
+
+  0  the sequential loop (each consumer: Q K^T, wait, softmax, P V, wait, O update)
+  1  FA3's intra-warpgroup overlap (softmax of tile j while P V of tile j-1 runs)
+  3  1 + ping-pong of the two consumer warpgroups on named barriers
+  17, 19  1 / 3 without the exp2 (diagnostic: WRONG results, timing only)
+
+Part 1 checks that variants 1 and 3 give bit for bit the sequential loop's O and lse on fresh random
+inputs (awkward lengths, causal, windows, GQA, ragged and zero lengths, both score paths). Part 2 times
+every variant at B=2, T=S=8192, N=16 (H = 128 and 64, causal and not) beside cuDNN bf16 in the same
+process; forward_mx includes the preparation of Q, K, V (the same for every variant).
+
+  python scripts/probe_fwd_loops.py [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import _cuda_ops as co
+from jax_fa4 import mx
+
+ENV = "JAX_FA4_SM90_PIPELINE"
+
+
+def _set(bits: int) -> None:
+  os.environ[ENV] = str(bits)
+
+
+def _call(qm, km, vm, ql, kl, *, scale, causal, window, scores, bits):
+  _set(bits)
+  # A fresh jitted function per call: a launch captured into a CUDA graph would keep the variant of
+  # its capture.
+  f = jax.jit(lambda a, b, c, x, y: co.forward_mx(a, b, c, x, y, scale=scale, is_causal=causal, window=window,
+                                                   out_dtype=jnp.float32, scores=scores))
+  o, lse = f(qm, km, vm, ql, kl)
+  return np.asarray(o), np.asarray(lse)
+
+
+def check_identity(seed: int) -> bool:
+  rng = np.random.default_rng(seed)
+  cases = [  # B, T, S, N, K, H, causal, window, q_lens, kv_lens
+      (1, 1000, 1300, 4, 2, 128, False, None, [1000], [1211]),
+      (2, 777, 777, 4, 4, 128, True, None, [777, 300], [777, 0]),
+      (1, 513, 2049, 2, 1, 64, False, (100, 50), [513], [2049]),
+      (1, 1, 31, 2, 1, 128, False, None, [1], [31]),
+      (2, 128, 128, 2, 2, 64, True, None, [128, 128], [128, 5]),
+      (1, 1023, 1023, 2, 1, 128, True, (200, 0), [1023], [1023]),
+  ]
+  ok = True
+  for (B, T, S, N, K, H, causal, window, qls, kls) in cases:
+    scale = float(H) ** -0.5
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)) * rng.uniform(0.5, 3), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+    ql, kl = jnp.asarray(qls, jnp.int32), jnp.asarray(kls, jnp.int32)
+    for scores in ("exact", "fp8"):
+      o0, l0 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=0)
+      for bits in (1, 3):
+        o1, l1 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=bits)
+        same = np.array_equal(o0.view(np.uint32), o1.view(np.uint32)) and np.array_equal(
+            l0.view(np.uint32), l1.view(np.uint32))
+        ok &= same
+        print(f"identity B{B} T{T} S{S} N{N} K{K} H{H} causal={causal} window={window} {scores} "
+              f"variant {bits}: {'bitwise equal' if same else 'DIFFERENT'}"
+              + ("" if same else f" (max |dO| {np.nanmax(np.abs(o0 - o1)):.3e})"), flush=True)
+  _set(0)
+  return ok
+
+
+def _time(f, args, reps=5, burst=5):
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(burst):
+      out = f(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t0) / burst)
+  return statistics.median(ts) * 1e6
+
+
+def timings(results: dict) -> None:
+  variants = [("exact", 0), ("exact", 1), ("exact", 3), ("exact", 17), ("exact", 19),
+              ("fp8", 0), ("fp8", 1), ("fp8", 3)]
+  print(f"device: {jax.devices()[0].device_kind}", flush=True)
+  for H in (128, 64):
+    B, T, N = 2, 8192, 16
+    keys = jax.random.split(jax.random.key(H), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
+    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+    L = jnp.full((B,), T, jnp.int32)
+    for causal in (False, True):
+      fl = 4 * B * T * T * N * H * (0.5 if causal else 1)
+      cud = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
+      base = _time(cud, (q, k, v))
+      print(f"H={H} causal={causal}: cuDNN bf16 {base:.1f} us {fl / base / 1e6:.0f} TF/s", flush=True)
+      results[f"H{H}_c{int(causal)}_cudnn_bf16"] = base
+      for scores, bits in variants:
+        _set(bits)
+        f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
+        us = _time(f, (qm, km, vm))
+        results[f"H{H}_c{int(causal)}_{scores}_{bits}"] = us
+        print(f"   {scores:>5} variant {bits:>2}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s ({base / us:.2f}x cuDNN bf16)",
+              flush=True)
+  _set(0)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+  args = ap.parse_args()
+  print(f"seed {args.seed}", flush=True)
+  ok = check_identity(args.seed)
+  print(f"identity: {'all bitwise equal' if ok else 'SOME DIFFER'}", flush=True)
+  results = {"device": jax.devices()[0].device_kind, "identity_ok": ok}
+  timings(results)
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
