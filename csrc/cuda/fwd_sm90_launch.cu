@@ -2,6 +2,7 @@
 // head dim, and launches one CTA per (128-row query tile, query head, batch).
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cstdint>
 #include <cstdlib>
 #include "cuda/fwd_sm90_mainloop.cuh"
 #include "cuda/launch.h"
@@ -42,8 +43,24 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact>>(Cfg::kSmemBytes); e != cudaSuccess)
     return e;
   p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
-  dim3 grid(p.num_m_blocks, a.N, a.B);
-  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  const int64_t num_work = (int64_t)p.num_m_blocks * a.N * a.B;
+  if (num_work > INT32_MAX) return cudaErrorInvalidValue;  // the scheduler's work index is an int
+  p.num_work = (int)num_work;
+  // Scheduler sections: as many (head, batch) pairs as keep their K and V within ~1/3 of L2 (the
+  // CTAs running together read them; the rest of L2 serves Q, O and the other sections' tails).
+  int l2_bytes = 0, sms = 0, dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+  const int64_t kv_pair_bytes = (int64_t)a.S_pad * H * (Cfg::kRowBytesQK / H + 1);
+  const int64_t section = (l2_bytes / 3) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
+  p.sched_section = (int)(section < 1 ? 1 : section > (int64_t)a.N * a.B ? (int64_t)a.N * a.B : section);
+  // Persistent grid (one CTA per SM, each looping over work tiles: the next tile's Q and K/V loads
+  // overlap this one's tail) unless JAX_FA4_SM90_PERSISTENT=0 (one CTA per tile, for measurement).
+  const char* pe = std::getenv("JAX_FA4_SM90_PERSISTENT");
+  const bool persistent = !(pe != nullptr && pe[0] == '0');
+  const int64_t grid = persistent ? (num_work < sms ? num_work : sms) : num_work;
+  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<(unsigned)grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
 
@@ -51,7 +68,6 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
 
 cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   if (a.Kh <= 0 || a.N % a.Kh != 0 || a.S_pad % kSeqPad != 0 || a.S_pad < a.S) return cudaErrorInvalidValue;
-  if (a.N > 65535 || a.B > 65535) return cudaErrorInvalidValue;  // grid y / z limits
   if (a.B == 0 || a.T == 0 || a.N == 0) return cudaSuccess;
   if (a.S == 0) return cudaErrorInvalidValue;  // handled in Python (zero-length keys: O = 0)
   FwdParams p{};

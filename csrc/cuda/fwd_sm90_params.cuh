@@ -12,6 +12,8 @@ struct FwdParams {
   int S_pad;              // S rounded up to kSeqPad: the row length of V^T and of the key scales
   int group;              // N / Kh (GQA): query head n reads kv head n / group
   int num_m_blocks;
+  int num_work;           // num_m_blocks * N * B work tiles
+  int sched_section;      // (head, batch) pairs per scheduler section (fwd_sm90_scheduler.cuh)
   const float* qs;        // [B, N, T]  per-row power-of-two scale of the requantised Q
   const float* ks;        // [B, Kh, S_pad] per-key power-of-two scale of the requantised K (0 past S)
   const float* vs;        // [B, Kh, H] per-column scale of V^T over the whole sequence
