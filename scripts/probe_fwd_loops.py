@@ -5,8 +5,9 @@
   3  1 + ping-pong of the two consumer warpgroups on named barriers
   17, 19  1 / 3 without the exp2 (diagnostic: WRONG results, timing only)
 
-Part 1 checks that variants 1 and 3 give bit for bit the sequential loop's O and lse on fresh random
-inputs (awkward lengths, causal, windows, GQA, ragged and zero lengths, both score paths). Part 2 times
+Each also runs with JAX_FA4_SM90_PERSISTENT=0 (one CTA per work tile) or 1 (the default: one CTA per
+SM looping over work tiles). Part 1 checks that every combination gives bit for bit the sequential,
+non-persistent loop's O and lse on fresh random inputs (awkward lengths, causal, windows, GQA, ragged and zero lengths, both score paths). Part 2 times
 every variant at B=2, T=S=8192, N=16 (H = 128 and 64, causal and not) beside cuDNN bf16 in the same
 process; forward_mx includes the preparation of Q, K, V (the same for every variant).
 
@@ -28,14 +29,16 @@ from jax_fa4 import _cuda_ops as co
 from jax_fa4 import mx
 
 ENV = "JAX_FA4_SM90_PIPELINE"
+ENV_PERSISTENT = "JAX_FA4_SM90_PERSISTENT"
 
 
-def _set(bits: int) -> None:
+def _set(bits: int, persistent: int = 1) -> None:
   os.environ[ENV] = str(bits)
+  os.environ[ENV_PERSISTENT] = str(persistent)
 
 
-def _call(qm, km, vm, ql, kl, *, scale, causal, window, scores, bits):
-  _set(bits)
+def _call(qm, km, vm, ql, kl, *, scale, causal, window, scores, bits, persistent):
+  _set(bits, persistent)
   # A fresh jitted function per call: a launch captured into a CUDA graph would keep the variant of
   # its capture.
   f = jax.jit(lambda a, b, c, x, y: co.forward_mx(a, b, c, x, y, scale=scale, is_causal=causal, window=window,
@@ -63,14 +66,16 @@ def check_identity(seed: int) -> bool:
     qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
     ql, kl = jnp.asarray(qls, jnp.int32), jnp.asarray(kls, jnp.int32)
     for scores in ("exact", "fp8"):
-      o0, l0 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=0)
-      for bits in (1, 3):
-        o1, l1 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=bits)
+      o0, l0 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=0,
+                     persistent=0)
+      for bits, pers in ((0, 1), (1, 1), (3, 1), (3, 0)):
+        o1, l1 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=bits,
+                       persistent=pers)
         same = np.array_equal(o0.view(np.uint32), o1.view(np.uint32)) and np.array_equal(
             l0.view(np.uint32), l1.view(np.uint32))
         ok &= same
         print(f"identity B{B} T{T} S{S} N{N} K{K} H{H} causal={causal} window={window} {scores} "
-              f"variant {bits}: {'bitwise equal' if same else 'DIFFERENT'}"
+              f"variant {bits} persistent {pers}: {'bitwise equal' if same else 'DIFFERENT'}"
               + ("" if same else f" (max |dO| {np.nanmax(np.abs(o0 - o1)):.3e})"), flush=True)
   _set(0)
   return ok
@@ -89,8 +94,8 @@ def _time(f, args, reps=5, burst=5):
 
 
 def timings(results: dict) -> None:
-  variants = [("exact", 0), ("exact", 1), ("exact", 3), ("exact", 17), ("exact", 19),
-              ("fp8", 0), ("fp8", 1), ("fp8", 3)]
+  variants = [("exact", 0, 0), ("exact", 0, 1), ("exact", 1, 1), ("exact", 3, 0), ("exact", 3, 1),
+              ("exact", 17, 1), ("exact", 19, 1), ("fp8", 0, 1), ("fp8", 1, 1), ("fp8", 3, 1)]
   print(f"device: {jax.devices()[0].device_kind}", flush=True)
   for H in (128, 64):
     B, T, N = 2, 8192, 16
@@ -104,12 +109,12 @@ def timings(results: dict) -> None:
       base = _time(cud, (q, k, v))
       print(f"H={H} causal={causal}: cuDNN bf16 {base:.1f} us {fl / base / 1e6:.0f} TF/s", flush=True)
       results[f"H{H}_c{int(causal)}_cudnn_bf16"] = base
-      for scores, bits in variants:
-        _set(bits)
+      for scores, bits, pers in variants:
+        _set(bits, pers)
         f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
         us = _time(f, (qm, km, vm))
-        results[f"H{H}_c{int(causal)}_{scores}_{bits}"] = us
-        print(f"   {scores:>5} variant {bits:>2}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s ({base / us:.2f}x cuDNN bf16)",
+        results[f"H{H}_c{int(causal)}_{scores}_{bits}_p{pers}"] = us
+        print(f"   {scores:>5} variant {bits:>2} persistent {pers}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s ({base / us:.2f}x cuDNN bf16)",
               flush=True)
   _set(0)
 
