@@ -179,7 +179,7 @@ for H in (64, 128, 256):
   jax.block_until_ready((o, o2, o3))
 print("tiny ok")
 PY
-  TOOLS="memcheck racecheck"; has sanitize || TOOLS=memcheck
+  TOOLS=${SAN_TOOLS:-memcheck racecheck}; has sanitize || TOOLS=memcheck
   for tool in $TOOLS; do
     log "compute-sanitizer --tool $tool (jax_fa4 kernels only)"
     timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --kernel-name kns=jax_fa4 --print-limit 20 $PY /tmp/fa4_tiny.py \

@@ -5,8 +5,8 @@
   3  1 + ping-pong of the two consumer warpgroups on named barriers
   17, 19  1 / 3 without the exp2 (diagnostic: WRONG results, timing only)
 
-Each also runs with JAX_FA4_SM90_PERSISTENT=0 (one CTA per work tile) or 1 (the default: one CTA per
-SM looping over work tiles). Part 1 checks that every combination gives bit for bit the sequential,
+Each also runs with JAX_FA4_SM90_PERSISTENT=0 (one CTA per work tile), 1 (the default: one CTA per
+SM looping over work tiles) or k >= 2 (at most k CTAs: many tiles per CTA on small shapes). Part 1 checks that every combination gives bit for bit the sequential,
 non-persistent loop's O and lse on fresh random inputs (awkward lengths, causal, windows, GQA, ragged and zero lengths, both score paths). Part 2 times
 every variant at B=2, T=S=8192, N=16 (H = 128 and 64, causal and not) beside cuDNN bf16 in the same
 process; forward_mx includes the preparation of Q, K, V (the same for every variant).
@@ -68,7 +68,7 @@ def check_identity(seed: int) -> bool:
     for scores in ("exact", "fp8"):
       o0, l0 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=0,
                      persistent=0)
-      for bits, pers in ((0, 1), (1, 1), (3, 1), (3, 0)):
+      for bits, pers in ((0, 1), (1, 1), (3, 1), (3, 0), (3, 2), (0, 3)):
         o1, l1 = _call(qm, km, vm, ql, kl, scale=scale, causal=causal, window=window, scores=scores, bits=bits,
                        persistent=pers)
         same = np.array_equal(o0.view(np.uint32), o1.view(np.uint32)) and np.array_equal(

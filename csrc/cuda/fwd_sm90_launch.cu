@@ -55,11 +55,13 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   const int64_t kv_pair_bytes = (int64_t)a.S_pad * H * (Cfg::kRowBytesQK / H + 1);
   const int64_t section = (l2_bytes / 3) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
   p.sched_section = (int)(section < 1 ? 1 : section > (int64_t)a.N * a.B ? (int64_t)a.N * a.B : section);
-  // Persistent grid (one CTA per SM, each looping over work tiles: the next tile's Q and K/V loads
-  // overlap this one's tail) unless JAX_FA4_SM90_PERSISTENT=0 (one CTA per tile, for measurement).
+  // Persistent grid: one CTA per SM, each looping over work tiles (the next tile's Q and K/V loads
+  // overlap this one's tail). JAX_FA4_SM90_PERSISTENT (read per launch, for measurement and tests):
+  // 0 = one CTA per work tile; k >= 2 = at most k CTAs (many tiles per CTA even on small shapes).
   const char* pe = std::getenv("JAX_FA4_SM90_PERSISTENT");
-  const bool persistent = !(pe != nullptr && pe[0] == '0');
-  const int64_t grid = persistent ? (num_work < sms ? num_work : sms) : num_work;
+  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 1;
+  const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
+  const int64_t grid = num_work < cap ? num_work : cap;
   sm90::fwd_sm90_kernel<H, kPipe, kExact><<<(unsigned)grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
