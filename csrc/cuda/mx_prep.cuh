@@ -68,7 +68,130 @@ __device__ __forceinline__ float block_amax(const float* x, int n_valid) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Float -> MX along the middle axis of x viewed as [outer, L, inner]. One thread per block.
+// Float -> MX along the middle axis of x viewed as [outer, L, inner], blocks of 32 along L.
+//
+// quantize_mx_cols_kernel (the V path: blocked along S, inner = Kh*H contiguous): one warp per
+// (outer, 32-row block, column tile of kQChunks chunks of kPer = 16 / sizeof(T) adjacent columns).
+// Lane l owns chunk l % kQChunks and rows (l / kQChunks) * kQRows + [0, kQRows) of the block, so
+// each load instruction of a warp reads 4 rows x kQChunks * 16 contiguous bytes (16-byte LDGs) and
+// each store writes 4 rows x kQChunks * kPer contiguous e4m3 bytes (kPer-byte STGs). The block's
+// amax of a column is the max over the thread's rows of |x| as ordered bits (packed two at a time
+// for 16-bit types), then over the kQRowGroups lanes of the column by two xor-shuffles. Per
+// element the arithmetic is quantize_block32's (scale_byte_from_amax, scale_down, cvt_e4m3x2), so
+// the bytes are those of the one-thread-per-block kernel below. Requires inner % kPer == 0 and
+// aligned pointers (x 16 bytes, data and scale kPer bytes); quantize_mx_kernel serves the rest.
+constexpr int kQChunks = 8;                     // 16-byte column chunks per warp (lanes along inner)
+constexpr int kQRowGroups = 32 / kQChunks;      // lanes along the 32 rows of a block
+constexpr int kQRows = 32 / kQRowGroups;        // rows per thread
+constexpr int kQThreads = 256;
+
+// |x| as ordered unsigned bits, packed like the 16-byte word it came from: for non-negative floats
+// the integer order is the float order and a NaN's bits exceed +inf's, so integer maxima are the
+// block_amax (NaN -> NaN) of the values.
+template <typename T> __device__ __forceinline__ uint32_t abs_bits_word(uint32_t w);
+template <> __device__ __forceinline__ uint32_t abs_bits_word<float>(uint32_t w) { return w & 0x7fffffffu; }
+template <> __device__ __forceinline__ uint32_t abs_bits_word<__nv_bfloat16>(uint32_t w) { return w & 0x7fff7fffu; }
+template <> __device__ __forceinline__ uint32_t abs_bits_word<__half>(uint32_t w) { return w & 0x7fff7fffu; }
+template <typename T> __device__ __forceinline__ uint32_t max_bits_word(uint32_t a, uint32_t b) {
+  if constexpr (sizeof(T) == 4) return max(a, b);
+  else return max_u16x2(a, b);
+}
+// Element e of a 16-byte word vector as fp32.
+template <typename T> __device__ __forceinline__ float elem_f32(const uint32_t* w, int e) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[e]);
+  } else {
+    const uint16_t h = (uint16_t)(w[e / 2] >> (16 * (e % 2)));
+    return to_f32(*reinterpret_cast<const T*>(&h));
+  }
+}
+// kWords packed words stored with one 4- or 8-byte store (dst aligned to it).
+template <int kWords> __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t* w) {
+  if constexpr (kWords == 1) *reinterpret_cast<uint32_t*>(dst) = w[0];
+  else *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQThreads) quantize_mx_cols_kernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                                                                     uint8_t* __restrict__ scale, int64_t outer, int L,
+                                                                     int inner, int64_t n_tasks) {
+  constexpr int kPer = 16 / (int)sizeof(T);  // columns per thread (one 16-byte load per row)
+  constexpr int kWords = kPer / 4;           // e4m3 words per row
+  const int lane = threadIdx.x & 31;
+  const int64_t task = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  if (task >= n_tasks) return;  // warp-uniform: the shuffles below see all 32 lanes
+  const int ctiles = (inner + kQChunks * kPer - 1) / (kQChunks * kPer);
+  const int nblk = (L + 31) / 32;
+  const int ct = (int)(task % ctiles);
+  const int64_t ob = task / ctiles;
+  const int blk = (int)(ob % nblk);
+  const int64_t o = ob / nblk;
+  const int col = (ct * kQChunks + lane % kQChunks) * kPer;
+  const bool live = col < inner;  // inner % kPer == 0: a chunk is wholly inside or outside
+  const int r0 = blk * 32 + (lane / kQChunks) * kQRows;
+  const int64_t row0 = (o * L + r0) * (int64_t)inner + col;  // element offset of (o, r0, col)
+
+  // All loads first (kQRows x 16 bytes in flight per thread); rows past L are the zero padding.
+  uint4 u[kQRows];
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    u[r] = make_uint4(0u, 0u, 0u, 0u);
+    if (live && r0 + r < L) u[r] = __ldg(reinterpret_cast<const uint4*>(x + row0 + (int64_t)r * inner));
+  }
+  uint32_t m[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    const uint32_t w[4] = {u[r].x, u[r].y, u[r].z, u[r].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m[i] = max_bits_word<T>(m[i], abs_bits_word<T>(w[i]));
+  }
+#pragma unroll
+  for (int off = kQChunks; off < 32; off <<= 1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m[i] = max_bits_word<T>(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+
+  // Per column: the scale byte, its two scale_down factors, and a byte mask of NaN-scale columns.
+  uint32_t byte[kPer];
+  float f1[kPer], f2[kPer];
+  uint32_t nanm[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) nanm[i] = 0u;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    byte[e] = scale_byte_from_amax(elem_f32<T>(m, e));
+    const int ex = 127 - (int)byte[e];                    // as scale_down
+    const int e1 = (ex >= 0) ? ex / 2 : -((-ex + 1) / 2);  // floor(ex / 2)
+    f1[e] = jax_fa4::sm90::pow2i(e1);
+    f2[e] = jax_fa4::sm90::pow2i(ex - e1);
+    if (byte[e] == 255u) nanm[e / 4] |= 0xffu << (8 * (e % 4));
+  }
+  if (!live) return;
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    if (r0 + r >= L) break;
+    const uint32_t w[4] = {u[r].x, u[r].y, u[r].z, u[r].w};
+    uint32_t q[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = __fmul_rn(__fmul_rn(elem_f32<T>(w, 4 * i + k), f1[4 * i + k]), f2[4 * i + k]);
+      const uint32_t qw = (uint32_t)cvt_e4m3x2(v[0], v[1]) | ((uint32_t)cvt_e4m3x2(v[2], v[3]) << 16);
+      q[i] = (qw & ~nanm[i]) | (0x7f7f7f7fu & nanm[i]);  // NaN scale: NaN elements (quantize_block32)
+    }
+    store_words<kWords>(data + row0 + (int64_t)r * inner, q);
+  }
+  if (lane < kQChunks) {  // row group 0 writes the kPer scale bytes of its columns
+    uint32_t sb[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; ++i)
+      sb[i] = byte[4 * i] | (byte[4 * i + 1] << 8) | (byte[4 * i + 2] << 16) | (byte[4 * i + 3] << 24);
+    store_words<kWords>(scale + ((o * nblk + blk) * (int64_t)inner + col), sb);
+  }
+}
+
+// The general quantizer: one thread per block (any inner, any alignment; the last-axis case
+// inner == 1 reads its 32 contiguous elements with 16-byte loads).
 template <typename T>
 __global__ void quantize_mx_kernel(const T* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scale,
                                    int64_t outer, int L, int inner) {

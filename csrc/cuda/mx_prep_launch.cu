@@ -11,28 +11,42 @@ constexpr int kThreadsPerBlock = 256;
 inline unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreadsPerBlock - 1) / kThreadsPerBlock); }
 }  // namespace
 
+template <typename T>
+static cudaError_t quantize_mx_typed(const T* x, uint8_t* data, uint8_t* scale, int64_t outer, int L, int inner,
+                                     cudaStream_t stream) {
+  constexpr int kPer = 16 / (int)sizeof(T);
+  const auto aligned = [](const void* p, unsigned a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  // The coalesced column kernel (the V path) wherever a 16-byte chunk of columns is whole and the
+  // pointers allow its vector accesses; the one-thread-per-block kernel for the rest (inner == 1,
+  // the last-axis case, reads its block contiguously there).
+  if (inner % kPer == 0 && aligned(x, 16) && aligned(data, kPer) && aligned(scale, kPer)) {
+    const int64_t ctiles = (inner + prep::kQChunks * kPer - 1) / (prep::kQChunks * kPer);
+    const int64_t tasks = outer * ((L + 31) / 32) * ctiles;  // one warp each
+    const int64_t blocks = (tasks + prep::kQThreads / 32 - 1) / (prep::kQThreads / 32);
+    if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+    prep::quantize_mx_cols_kernel<T><<<(unsigned)blocks, prep::kQThreads, 0, stream>>>(x, data, scale, outer, L,
+                                                                                         inner, tasks);
+    return cudaGetLastError();
+  }
+  const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
+  if (blocks_for(total) > 0x7fffffffu) return cudaErrorInvalidValue;
+  prep::quantize_mx_kernel<T><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(x, data, scale, outer, L, inner);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_quantize_mx(const void* x, FloatType type, uint8_t* data, uint8_t* scale, int64_t outer, int L,
                                int inner, cudaStream_t stream) {
-  const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
-  if (total == 0) return cudaSuccess;
-  if (blocks_for(total) > 0x7fffffffu) return cudaErrorInvalidValue;
+  if (outer * ((L + 31) / 32) * (int64_t)inner == 0) return cudaSuccess;
   switch (type) {
     case FloatType::kF32:
-      prep::quantize_mx_kernel<float><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const float*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const float*>(x), data, scale, outer, L, inner, stream);
     case FloatType::kBF16:
-      prep::quantize_mx_kernel<__nv_bfloat16><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const __nv_bfloat16*>(x), data, scale, outer, L, inner, stream);
     case FloatType::kF16:
-      prep::quantize_mx_kernel<__half><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const __half*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const __half*>(x), data, scale, outer, L, inner, stream);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 template <int HD>
