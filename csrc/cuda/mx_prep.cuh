@@ -334,71 +334,153 @@ __global__ void prep_v_colscale_kernel(const uint8_t* __restrict__ vscale, const
   }
 }
 
+// Packed e4m3 <-> f16 (both exact: e4m3 is a subset of f16).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t v) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
+  return h2;
+}
+__device__ __forceinline__ uint16_t f16x2_to_e4m3x2(uint32_t h2) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(h2));
+  return r;
+}
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));  // .rn: never fused, subnormals kept
+  return d;
+}
+
+// 2^-sh for the requantisation from block byte blk to column byte col (col >= blk), as an f16
+// pair. Bit-exact with requant_factor's fp32 product followed by cvt_e4m3x2:
+//  * an e4m3 value is M * 2^(e-3) with M < 16 and e - 3 >= -9; times 2^-sh it is exact in f16
+//    whenever 2^(e-3-sh) >= 2^-24 (f16's subnormal step). Otherwise its magnitude is below
+//    16 * 2^-25 = 2^-21, under e4m3's half subnormal step 2^-10, so both routes round it to a
+//    zero of its sign; the f16 rounding cannot lift it anywhere near 2^-10.
+//  * requant_factor clamps sh to 31; every sh >= 20 sends all e4m3 values (< 2^9) below 2^-11,
+//    i.e. to signed zeros, so clamping to 24 (2^-24 is f16's smallest subnormal) changes nothing.
+__device__ __forceinline__ uint32_t requant_factor_f16x2(uint32_t col_byte, uint32_t blk_byte) {
+  int sh = (int)col_byte - (int)blk_byte;
+  sh = sh < 0 ? 0 : (sh > 24 ? 24 : sh);
+  const uint32_t h = sh <= 14 ? (uint32_t)(15 - sh) << 10 : 1u << (24 - sh);
+  return h | (h << 16);
+}
+
+// The e4m3 bytes of a word with every NaN (0x7f / 0xff) made positive (0x7f). requant4's fp32
+// route canonicalises NaNs (the product of a NaN is the positive canonical NaN, which cvt turns
+// into 0x7f); this keeps the f16 route from depending on how f16 multiplies treat a NaN's sign.
+__device__ __forceinline__ uint32_t positive_nans(uint32_t w) {
+  return w & ~(((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u);
+}
+
 // Stored position of key k (0..15) inside its 16-key group of V^T. Inverse of the map the P
 // registers imply (fwd_sm90_softmax.cuh pack_p): A column c holds key (c/4)*2 + (c&1) + ((c>>1)&1)*8.
 __device__ __forceinline__ int vt_pos_of_key(int k) { return ((k & 7) >> 1) * 4 + (k >> 3) * 2 + (k & 1); }
+__device__ __forceinline__ int vt_key_of_pos(int p) { return ((p >> 1) & 1) * 8 + (p >> 2) * 2 + (p & 1); }
+
+// 16 keys of one column (key order, byte j of word i = key 4i + j), one 32-key block: requantised
+// from block byte blk to column byte col and permuted to vt_pos_of_key order. Stored word a holds
+// keys {2a, 2a+1, 8+2a, 9+2a}: the pairs (2a, 2a+1) and (8+2a, 9+2a) stay adjacent, so the
+// permutation is free at the e4m3x2 granularity of the conversions.
+__device__ __forceinline__ uint4 requant_permute16(uint4 in, uint32_t col, uint32_t blk) {
+  const uint32_t fac = requant_factor_f16x2(col, blk);
+  const uint32_t w[4] = {positive_nans(in.x), positive_nans(in.y), positive_nans(in.z), positive_nans(in.w)};
+  uint32_t pr[8];  // pr[p]: keys 2p, 2p+1
+#pragma unroll
+  for (int p = 0; p < 8; ++p)
+    pr[p] = f16x2_to_e4m3x2(mul_f16x2(e4m3x2_to_f16x2((uint16_t)(w[p / 2] >> (16 * (p % 2)))), fac));
+  return make_uint4(pr[0] | (pr[4] << 16), pr[1] | (pr[5] << 16), pr[2] | (pr[6] << 16), pr[3] | (pr[7] << 16));
+}
 
 // V, pass 2: [B, S, Kh, HD] e4m3 (blocks along S) -> vt[B, Kh, HD, S_pad] on the column scales.
-// Tile of 64 keys x 64 columns through shared memory; grid (S_pad/64, HD/64 * Kh, B), 256 threads.
-constexpr int kVtTile = 64;
-constexpr int kVtPitch = kVtTile + 16;  // 16-byte aligned rows for the vector reads of pass 2b
-__global__ void prep_v_transpose_kernel(const uint8_t* __restrict__ v, const uint8_t* __restrict__ vscale,
-                                        const float* __restrict__ vs, const int32_t* __restrict__ kv_len,
-                                        uint8_t* __restrict__ vt, int S, int Kh, int HD, int S_pad) {
-  __shared__ __align__(16) uint8_t tile[kVtTile][kVtPitch];
-  const int s0 = blockIdx.x * kVtTile;
-  const int dtiles = HD / kVtTile;
-  const int d_tile = blockIdx.y % dtiles, kh = blockIdx.y / dtiles;
+// One CTA (128 threads) per tile of kVtKeys = 128 keys x kVtCols = 64 columns; grid
+// (S_pad / 128, HD / 64 * Kh, B).
+//  1. Each thread loads 4 keys x 16 columns (4 x 16-byte LDG; a warp reads 8 keys x 64 bytes per
+//     instruction), transposes the 4x4 byte squares in registers (PRMT) and stores 16 words
+//     [column][4 keys] to shared memory. Keys at or past kv_len are not loaded: zeros. The tile's
+//     block scale bytes (4 blocks x 64 columns) and column bytes go to shared memory too.
+//  2. Each thread takes 16 keys of one column (one 16-byte LDS), requantises them with ONE factor
+//     (16 keys lie in one 32-key block) on the f16 route, permutes them within the 16-key group and
+//     writes 16 bytes of vt: 8 lanes write one 128-byte row segment.
+// Shared layout: tile[c][word] (32 words of 4 keys per column), the word index XORed with
+// ((c >> 4) & 3) << 3. Stage 1's store instruction has lanes (kq = lane % 8, ch = lane / 8) writing
+// column ch * 16 + const, word warp * 8 + kq: physical word (warp ^ ch) * 8 + kq, 32 distinct banks.
+// Stage 2's quarter-warps read 8 distinct 16-byte chunks of one column: conflict-free as well.
+constexpr int kVtKeys = 128;
+constexpr int kVtCols = 64;
+constexpr int kVtThreads = 128;
+
+__device__ __forceinline__ int vt_swizzle(int c, int word) { return word ^ (((c >> 4) & 3) << 3); }
+
+__global__ void __launch_bounds__(kVtThreads) prep_v_transpose_kernel(
+    const uint8_t* __restrict__ v, const uint8_t* __restrict__ vscale, const float* __restrict__ vs,
+    const int32_t* __restrict__ kv_len, uint8_t* __restrict__ vt, int S, int Kh, int HD, int S_pad) {
+  __shared__ __align__(16) uint32_t tile[kVtCols][kVtKeys / 4];
+  __shared__ __align__(16) uint8_t blk_bytes[kVtKeys / 32][kVtCols];
+  __shared__ uint8_t col_bytes[kVtCols];
+  const int s0 = blockIdx.x * kVtKeys;
+  const int dtiles = HD / kVtCols;
+  const int d0 = (blockIdx.y % dtiles) * kVtCols, kh = blockIdx.y / dtiles;
   const int b = blockIdx.z;
   const int nblk = (S + 31) / 32;
   const int len = min(max(kv_len[b], 0), S);
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   {
-    const int key = t / 4, dch = t % 4;
-    const int s = s0 + key;
-    const int d0 = d_tile * kVtTile + dch * 16;
-    uint32_t outw[4] = {0u, 0u, 0u, 0u};
-    if (s < len) {
-      const uint4 e = *reinterpret_cast<const uint4*>(v + (((int64_t)b * S + s) * Kh + kh) * HD + d0);
-      const uint4 bs = *reinterpret_cast<const uint4*>(vscale + (((int64_t)b * nblk + s / 32) * Kh + kh) * HD + d0);
-      const float* vsr = vs + ((int64_t)b * Kh + kh) * HD + d0;
-      const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
-      const uint32_t bw[4] = {bs.x, bs.y, bs.z, bs.w};
+    const int kq = lane % 8, ch = lane / 8;
+    const int key0 = warp * 32 + kq * 4;  // first of this thread's 4 keys in the tile
+    uint4 e[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 cs = *reinterpret_cast<const float4*>(vsr + 4 * q);
-        const float csa[4] = {cs.x, cs.y, cs.z, cs.w};
-        uint32_t res = 0;
+    for (int j = 0; j < 4; ++j) {
+      const int s = s0 + key0 + j;
+      e[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (s < len) e[j] = __ldg(reinterpret_cast<const uint4*>(v + (((int64_t)b * S + s) * Kh + kh) * HD + d0 + ch * 16));
+    }
+    if (t < 16) {  // block scale bytes: 4 blocks x 4 chunks of 16 columns
+      const int sb = s0 / 32 + t / 4;
+      uint4 bs = make_uint4(0u, 0u, 0u, 0u);
+      if (sb < nblk) bs = __ldg(reinterpret_cast<const uint4*>(vscale + (((int64_t)b * nblk + sb) * Kh + kh) * HD + d0 + (t % 4) * 16));
+      *reinterpret_cast<uint4*>(&blk_bytes[t / 4][(t % 4) * 16]) = bs;
+    } else if (t >= 32 && t < 48) {  // column bytes: the fp32 exponent field of vs (right for 2^-127 and NaN too)
+      const float4 cs = __ldg(reinterpret_cast<const float4*>(vs + ((int64_t)b * Kh + kh) * HD + d0 + (t - 32) * 4));
+      const uint32_t cb = ((__float_as_uint(cs.x) >> 23) & 0xffu) | (((__float_as_uint(cs.y) >> 23) & 0xffu) << 8) |
+                          (((__float_as_uint(cs.z) >> 23) & 0xffu) << 16) | (((__float_as_uint(cs.w) >> 23) & 0xffu) << 24);
+      *reinterpret_cast<uint32_t*>(&col_bytes[(t - 32) * 4]) = cb;
+    }
+    const uint32_t w[4][4] = {{e[0].x, e[0].y, e[0].z, e[0].w}, {e[1].x, e[1].y, e[1].z, e[1].w},
+                              {e[2].x, e[2].y, e[2].z, e[2].w}, {e[3].x, e[3].y, e[3].z, e[3].w}};
+    const int word = warp * 8 + kq;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // The column's byte is its fp32 exponent field (also right for 2^-127 and NaN).
-          const uint32_t colb = (__float_as_uint(csa[k]) >> 23) & 0xffu;
-          const uint32_t blkb = (bw[q] >> (8 * k)) & 0xffu;
-          const uint32_t byte = (ew[q] >> (8 * k)) & 0xffu;
-          uint32_t r;
-          if (colb == 255u) {
-            r = 0x7fu;
-          } else {
-            const float2 f = e4m3x2_to_float2((uint16_t)byte);
-            r = cvt_e4m3x2(f.x * requant_factor(colb, blkb), 0.f) & 0xffu;
-          }
-          res |= r << (8 * k);
-        }
-        outw[q] = res;
+    for (int q = 0; q < 4; ++q) {
+      // 4 keys x 4 columns (bytes 4q..4q+3 of the chunk) -> 4 columns x 4 keys.
+      const uint32_t x01 = __byte_perm(w[0][q], w[1][q], 0x5140), x23 = __byte_perm(w[2][q], w[3][q], 0x5140);
+      const uint32_t y01 = __byte_perm(w[0][q], w[1][q], 0x7362), y23 = __byte_perm(w[2][q], w[3][q], 0x7362);
+      const uint32_t col[4] = {__byte_perm(x01, x23, 0x5410), __byte_perm(x01, x23, 0x7632),
+                               __byte_perm(y01, y23, 0x5410), __byte_perm(y01, y23, 0x7632)};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int c = ch * 16 + q * 4 + k;
+        tile[c][vt_swizzle(c, word)] = col[k];
       }
     }
-    const int pos = (key & ~15) + vt_pos_of_key(key & 15);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) tile[dch * 16 + q * 4 + k][pos] = (uint8_t)(outw[q] >> (8 * k));
   }
   __syncthreads();
-  {
-    const int row = t / 4, ch = t % 4;
-    const uint4 val = *reinterpret_cast<const uint4*>(&tile[row][ch * 16]);
-    const int d = d_tile * kVtTile + row;
-    *reinterpret_cast<uint4*>(vt + (((int64_t)b * Kh + kh) * HD + d) * S_pad + s0 + ch * 16) = val;
+#pragma unroll
+  for (int i = 0; i < (kVtCols * kVtKeys / 16) / kVtThreads; ++i) {
+    const int item = i * kVtThreads + t;
+    const int c = item / 8, g = item % 8;  // column, 16-key group
+    const uint4 in = *reinterpret_cast<const uint4*>(&tile[c][vt_swizzle(c, 4 * g)]);
+    const uint32_t colb = col_bytes[c];
+    uint4 out;
+    if (colb != 255u) {
+      out = requant_permute16(in, colb, blk_bytes[g / 2][c]);
+    } else {  // a NaN column: NaN for the valid keys (prep_v's rule), zeros past kv_len
+      uint32_t o[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int p = 0; p < 16; ++p)
+        if (s0 + 16 * g + vt_key_of_pos(p) < len) o[p / 4] |= 0x7fu << (8 * (p % 4));
+      out = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    *reinterpret_cast<uint4*>(vt + (((int64_t)b * Kh + kh) * HD + d0 + c) * S_pad + s0 + 16 * g) = out;
   }
 }
 

@@ -90,15 +90,15 @@ cudaError_t launch_prep_rows(const void* x, int float_type, const uint8_t* xs, u
 
 cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t* kv_len, uint8_t* vt, float* vs,
                           int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream) {
-  if (HD % prep::kVtTile != 0 || S_pad % prep::kVtTile != 0) return cudaErrorInvalidValue;
+  if (HD % prep::kVtCols != 0 || S_pad % prep::kVtKeys != 0) return cudaErrorInvalidValue;
   if (B == 0 || Kh == 0) return cudaSuccess;
   dim3 g1((HD + 31) / 32, Kh, B), b1(32, 8);
   prep::prep_v_colscale_kernel<<<g1, b1, 0, stream>>>(vscale, kv_len, vs, S, Kh, HD);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (S_pad == 0) return cudaSuccess;
-  dim3 g2(S_pad / prep::kVtTile, (HD / prep::kVtTile) * Kh, B);
-  prep::prep_v_transpose_kernel<<<g2, 256, 0, stream>>>(v, vscale, vs, kv_len, vt, S, Kh, HD, S_pad);
+  dim3 g2(S_pad / prep::kVtKeys, (HD / prep::kVtCols) * Kh, B);
+  prep::prep_v_transpose_kernel<<<g2, prep::kVtThreads, 0, stream>>>(v, vscale, vs, kv_len, vt, S, Kh, HD, S_pad);
   return cudaGetLastError();
 }
 
