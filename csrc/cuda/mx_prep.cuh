@@ -366,9 +366,11 @@ __device__ __forceinline__ uint32_t requant_factor_f16x2(uint32_t col_byte, uint
   return h | (h << 16);
 }
 
-// The e4m3 bytes of a word with every NaN (0x7f / 0xff) made positive (0x7f). requant4's fp32
-// route canonicalises NaNs (the product of a NaN is the positive canonical NaN, which cvt turns
-// into 0x7f); this keeps the f16 route from depending on how f16 multiplies treat a NaN's sign.
+// The e4m3 bytes of a word with every NaN (0x7f / 0xff) made positive (0x7f), so a NaN element
+// leaves as 0x7f whatever an f16 multiply does with a NaN's sign. The fp32 route gives 0x7f as
+// well, its fp32 multiply returning the canonical (positive) NaN. Only hand-made MX input has NaN
+// elements in a block with a finite scale (mx.quantize writes 0x7f into NaN-scale blocks only,
+// and a valid NaN-scale block makes the whole column NaN), so no test covers this case.
 __device__ __forceinline__ uint32_t positive_nans(uint32_t w) {
   return w & ~(((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u);
 }
