@@ -165,14 +165,18 @@ def _awkward_input(shape, dtype, rng):
 
 # Blocked along S of [B, S, Kh, H]: inner = Kh * H. The coalesced column kernel serves
 # inner % (16 / itemsize) == 0 (whole and partial 8-chunk column tiles, L not a multiple of 32);
-# the one-thread-per-block kernel serves the rest (inner 60 in 16-bit types, inner 6, inner 1).
+# the rows kernel the last axis (inner 1) with L % 32 == 0; the one-thread-per-block kernel the
+# rest (inner 60 in 16-bit types, inner 6, a last axis of 200).
 _AWKWARD_QUANTIZE = [
     *[((2, s, 3, 64), 1, dt) for s in (1, 31, 113, 1023) for dt in (jnp.float32, jnp.bfloat16, jnp.float16)],
     ((1, 70, 1, 8), 1, jnp.bfloat16),   # one 16-byte chunk of an 8-chunk column tile
     ((2, 45, 5, 12), 1, jnp.float32),   # inner 60: 15 f32 chunks, a partial tile
     ((2, 45, 5, 12), 1, jnp.bfloat16),  # inner 60 % 8 != 0: the fallback
     ((3, 33, 2, 3), 1, jnp.float16),    # inner 6: the fallback
-    ((4, 200), -1, jnp.bfloat16),       # inner 1: the fallback, contiguous blocks
+    ((4, 200), -1, jnp.bfloat16),       # inner 1, L % 32 != 0: the fallback
+    ((2, 37, 3, 128), 3, jnp.bfloat16),  # inner 1: the rows kernel, a partial last warp
+    ((5, 7, 96), -1, jnp.float32),
+    ((3, 7, 160), -1, jnp.float16),
     ((3, 64, 40), 0, jnp.float32),      # outer 1
 ]
 

@@ -190,8 +190,67 @@ __global__ void __launch_bounds__(kQThreads) quantize_mx_cols_kernel(const T* __
   }
 }
 
-// The general quantizer: one thread per block (any inner, any alignment; the last-axis case
-// inner == 1 reads its 32 contiguous elements with 16-byte loads).
+// The last-axis case (inner == 1, L % 32 == 0: blocks are 32 contiguous elements): 4 lanes per
+// block, 8 elements per lane, so a warp's load instruction reads 32 x 16 contiguous bytes (bf16/f16;
+// two loads for fp32) and its store writes 32 x 8 contiguous e4m3 bytes. Each warp takes
+// kQRowIter consecutive runs of 32 groups of 8, all loads first. The 4 lanes of a block combine
+// their amax bits with two xor-shuffles; per element the arithmetic is quantize_block32's.
+constexpr int kQRowIter = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kQThreads) quantize_mx_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                                                                     uint8_t* __restrict__ scale, int64_t n_groups) {
+  constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
+  constexpr int kLoads = 8 / kVec;           // 16-byte loads per group of 8 elements
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  uint4 u[kQRowIter][kLoads];
+#pragma unroll
+  for (int k = 0; k < kQRowIter; ++k) {
+    const int64_t g = (warp * kQRowIter + k) * 32 + lane;
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      u[k][c] = make_uint4(0u, 0u, 0u, 0u);
+      if (g < n_groups) u[k][c] = __ldg(reinterpret_cast<const uint4*>(x + g * 8) + c);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kQRowIter; ++k) {
+    // n_groups is a multiple of 4 (whole blocks): the 4 lanes of a block are live or dead together,
+    // and every lane runs the shuffles.
+    const int64_t g = (warp * kQRowIter + k) * 32 + lane;
+    uint32_t w[kLoads * 4];
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      w[4 * c + 0] = u[k][c].x; w[4 * c + 1] = u[k][c].y; w[4 * c + 2] = u[k][c].z; w[4 * c + 3] = u[k][c].w;
+    }
+    uint32_t m = 0u;
+#pragma unroll
+    for (int i = 0; i < kLoads * 4; ++i) m = max_bits_word<T>(m, abs_bits_word<T>(w[i]));
+    if constexpr (sizeof(T) == 2) m = max(m & 0xffffu, m >> 16);
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const uint32_t byte = scale_byte_from_amax(elem_f32<T>(&m, 0));
+    if (g >= n_groups) continue;
+    uint32_t q[2];
+    if (byte == 255u) {
+      q[0] = q[1] = 0x7f7f7f7fu;  // NaN scale: NaN elements
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = scale_down(elem_f32<T>(w, 4 * i + e), byte);
+        q[i] = (uint32_t)cvt_e4m3x2(v[0], v[1]) | ((uint32_t)cvt_e4m3x2(v[2], v[3]) << 16);
+      }
+    }
+    *reinterpret_cast<uint2*>(data + g * 8) = make_uint2(q[0], q[1]);
+    if ((lane & 3) == 0) scale[g / 4] = (uint8_t)byte;
+  }
+}
+
+// The general quantizer: one thread per block (any inner, any alignment; with inner == 1 it reads
+// its 32 contiguous elements with 16-byte loads where they are aligned).
 template <typename T>
 __global__ void quantize_mx_kernel(const T* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scale,
                                    int64_t outer, int L, int inner) {

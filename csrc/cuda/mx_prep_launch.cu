@@ -17,8 +17,8 @@ static cudaError_t quantize_mx_typed(const T* x, uint8_t* data, uint8_t* scale, 
   constexpr int kPer = 16 / (int)sizeof(T);
   const auto aligned = [](const void* p, unsigned a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
   // The coalesced column kernel (the V path) wherever a 16-byte chunk of columns is whole and the
-  // pointers allow its vector accesses; the one-thread-per-block kernel for the rest (inner == 1,
-  // the last-axis case, reads its block contiguously there).
+  // pointers allow its vector accesses; the rows kernel for whole contiguous blocks (inner == 1);
+  // the one-thread-per-block kernel for the rest.
   if (inner % kPer == 0 && aligned(x, 16) && aligned(data, kPer) && aligned(scale, kPer)) {
     const int64_t ctiles = (inner + prep::kQChunks * kPer - 1) / (prep::kQChunks * kPer);
     const int64_t tasks = outer * ((L + 31) / 32) * ctiles;  // one warp each
@@ -26,6 +26,15 @@ static cudaError_t quantize_mx_typed(const T* x, uint8_t* data, uint8_t* scale, 
     if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
     prep::quantize_mx_cols_kernel<T><<<(unsigned)blocks, prep::kQThreads, 0, stream>>>(x, data, scale, outer, L,
                                                                                          inner, tasks);
+    return cudaGetLastError();
+  }
+  // The last-axis case with whole blocks: 4 lanes per block, contiguous warp accesses.
+  if (inner == 1 && L % 32 == 0 && aligned(x, 16) && aligned(data, 8)) {
+    const int64_t groups = outer * (int64_t)L / 8;
+    const int64_t per_cta = (int64_t)prep::kQThreads * prep::kQRowIter;
+    const int64_t blocks = (groups + per_cta - 1) / per_cta;
+    if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+    prep::quantize_mx_rows_kernel<T><<<(unsigned)blocks, prep::kQThreads, 0, stream>>>(x, data, scale, groups);
     return cudaGetLastError();
   }
   const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
