@@ -203,6 +203,8 @@ def bench_prep(B, T, N, H, results):
       "prep_v_mx": (jax.jit(lambda d, s: co._prep_v(mx.MXArray(d, s, 1), kl, s_pad)), (vm.data, vm.scale),
                     R * H * 2 + 2 * (R * H // 32) + B * K * H * 4),
       "quantize_bf16": (jax.jit(lambda a: co.quantize(a, 1).data), (x,), R * H * 2 + R * H + R * H // 32),
+      # The same quantizer along the last axis (jax_fa4.quantize(q, -1): the rows kernel).
+      "quantize_rows_bf16": (jax.jit(lambda a: co.quantize(a, 3).data), (x,), R * H * 2 + R * H + R * H // 32),
       # The exact-score path's Q/K operand: MX -> bf16, and bf16 -> MX -> bf16 in one pass.
       "exact_rows_mx": (jax.jit(lambda d, s: co._exact_rows(mx.MXArray(d, s, 3))[0]), (xm.data, xm.scale),
                         R * H + R * H // 32 + R * H * 2),

@@ -178,6 +178,61 @@ def _quantize(x: jax.Array, axis: int) -> MXArray:
   return MXArray(data=data, scale=e8m0_from_bytes(byte), axis=axis)
 
 
+# The float dtypes the CUDA quantizer takes (jax_fa4._cuda_ops.FLOAT_DTYPES).
+_CUDA_QUANTIZE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _cuda_quantizer_available() -> bool:
+  """True where the jax_fa4 CUDA extension is built and jax's default backend is a Hopper GPU."""
+  try:
+    from jax_fa4 import _cuda_ops  # imported lazily: _cuda_ops imports this module
+  except ImportError:
+    return False
+  return _cuda_ops.available()
+
+
+def quantize_auto(x: jax.Array, axis: int = -1) -> MXArray:
+  """:func:`quantize` on the fastest quantizer at hand; the same bits everywhere.
+
+  This is ``jax_fa4.quantize``. Where the jax_fa4 CUDA kernels are available (extension built,
+  jax's default backend a compute-capability 9.0 GPU) and ``x`` is float32, bfloat16 or float16,
+  the computation runs the CUDA quantizer when it is compiled for the GPU (one coalesced pass,
+  bit-exact with :func:`quantize`); compiled for another platform (``jax.default_device(cpu)``),
+  and everywhere else, it is :func:`quantize` itself. The choice between the two happens at
+  lowering (``jax.lax.platform_dependent``), so jit, vmap and grad behave as for
+  :func:`quantize`; the derivative is :func:`quantize`'s (its JVP, evaluated by jnp).
+
+  The CUDA quantizer is one opaque custom call: under ``jax.jit`` with sharded inputs XLA gathers
+  its operand. The library's own quantizations (``dot_product_attention``) therefore keep using
+  :func:`quantize`, which XLA fuses and partitions.
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x.dtype={x.dtype} must be a floating dtype to quantize")
+  if x.ndim == 0:
+    raise ValueError(f"x.shape={x.shape} must have at least one axis to block along")
+  axis = _normalize_axis(axis, x.ndim)
+  if x.dtype not in _CUDA_QUANTIZE_DTYPES or x.size == 0 or not _cuda_quantizer_available():
+    return _quantize(x, axis)
+  return _quantize_dispatch(x, axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _quantize_dispatch(x: jax.Array, axis: int) -> MXArray:
+  from jax_fa4 import _cuda_ops
+  return jax.lax.platform_dependent(x, cuda=lambda a: _cuda_ops.quantize(a, axis),
+                                    default=lambda a: _quantize(a, axis))
+
+
+@_quantize_dispatch.defjvp
+def _quantize_dispatch_jvp(axis, primals, tangents):
+  # The tangent of the jnp quantizer (what quantize_auto's derivative is everywhere else); the
+  # primal stays the CUDA kernel's (the same bits).
+  (x,), (x_dot,) = primals, tangents
+  _, out_dot = jax.jvp(lambda a: _quantize(a, axis), (x,), (x_dot,))
+  return _quantize_dispatch(x, axis), out_dot
+
+
 def expand_scale_bytes(scale: jax.Array, axis: int, length: int) -> jax.Array:
   """The scale bytes repeated 32x along ``axis`` and trimmed to ``length``."""
   b = jnp.repeat(e8m0_to_bytes(scale), BLOCK, axis=axis)

@@ -151,6 +151,79 @@ def test_quantize_jit_and_vmap():
   np.testing.assert_array_equal(np.asarray(gv, np.float32), np.asarray(want.data, np.float32))
 
 
+def _same_mx(got, want, check_axis=True):
+  assert got.data.dtype == want.data.dtype and got.scale.dtype == want.scale.dtype
+  assert got.axis == want.axis or not check_axis
+  np.testing.assert_array_equal(np.asarray(mx.e8m0_to_bytes(got.scale)), np.asarray(mx.e8m0_to_bytes(want.scale)))
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got.data, jnp.uint8)),
+                                np.asarray(jax.lax.bitcast_convert_type(want.data, jnp.uint8)))
+
+
+def _awkward_input(shape, dtype, rng):
+  x = (rng.standard_normal(shape) * np.exp(rng.uniform(-8, 8, size=shape))).astype(np.float32)
+  return jnp.asarray(_special(x, rng), dtype)  # NaN, +-inf, overflow, zeros in every dtype
+
+
+# Blocked along S of [B, S, Kh, H]: inner = Kh * H. The coalesced column kernel serves
+# inner % (16 / itemsize) == 0 (whole and partial 8-chunk column tiles, L not a multiple of 32);
+# the rows kernel the last axis (inner 1) with L % 32 == 0; the one-thread-per-block kernel the
+# rest (inner 60 in 16-bit types, inner 6, a last axis of 200).
+_AWKWARD_QUANTIZE = [
+    *[((2, s, 3, 64), 1, dt) for s in (1, 31, 113, 1023) for dt in (jnp.float32, jnp.bfloat16, jnp.float16)],
+    ((1, 70, 1, 8), 1, jnp.bfloat16),   # one 16-byte chunk of an 8-chunk column tile
+    ((2, 45, 5, 12), 1, jnp.float32),   # inner 60: 15 f32 chunks, a partial tile
+    ((2, 45, 5, 12), 1, jnp.bfloat16),  # inner 60 % 8 != 0: the fallback
+    ((3, 33, 2, 3), 1, jnp.float16),    # inner 6: the fallback
+    ((4, 200), -1, jnp.bfloat16),       # inner 1, L % 32 != 0: the fallback
+    ((2, 37, 3, 128), 3, jnp.bfloat16),  # inner 1: the rows kernel, a partial last warp
+    ((5, 7, 96), -1, jnp.float32),
+    ((3, 7, 160), -1, jnp.float16),
+    ((3, 64, 40), 0, jnp.float32),      # outer 1
+]
+
+
+@pytest.mark.parametrize("shape,axis,dtype", _AWKWARD_QUANTIZE)
+def test_quantize_bit_exact_awkward(shape, axis, dtype):
+  x = _awkward_input(shape, dtype, np.random.default_rng(_SEED))
+  _same_mx(_ops().quantize(x, axis), mx.quantize(x, axis))
+  _same_mx(jax.jit(lambda a: _ops().quantize(a, axis))(x), mx.quantize(x, axis))
+
+
+@pytest.mark.parametrize("shape,axis,dtype", _AWKWARD_QUANTIZE)
+def test_package_quantize_uses_cuda_bit_exact(shape, axis, dtype):
+  # jax_fa4.quantize runs the CUDA quantizer here (checked in the lowered module) and gives
+  # jax_fa4.mx.quantize's bits, eagerly and under jit; its derivative is mx.quantize's.
+  import jax_fa4
+  x = _awkward_input(shape, dtype, np.random.default_rng(_SEED + 1))
+  want = mx.quantize(x, axis)
+  _same_mx(jax_fa4.quantize(x, axis), want)
+  f = jax.jit(lambda a: jax_fa4.quantize(a, axis))
+  assert _T_QUANTIZE_NAME in f.lower(x).as_text()
+  _same_mx(f(x), want)
+  xf = jnp.asarray(np.random.default_rng(_SEED).standard_normal(shape), dtype)
+  loss = lambda q: (lambda a: jnp.sum(q(a, axis).dequantize() * jnp.cos(a.astype(jnp.float32))))
+  g_auto = jax.jit(jax.grad(loss(jax_fa4.quantize)))(xf)
+  g_ref = jax.jit(jax.grad(loss(mx.quantize)))(xf)
+  np.testing.assert_allclose(np.asarray(g_auto, np.float32), np.asarray(g_ref, np.float32), rtol=1e-6, atol=0)
+
+
+_T_QUANTIZE_NAME = "jax_fa4_cuda_quantize"
+
+
+def test_package_quantize_vmap_and_cpu_device():
+  import jax_fa4
+  x = jnp.asarray(np.random.default_rng(_SEED).standard_normal((3, 70, 2, 64)), jnp.bfloat16)
+  gv = jax.vmap(lambda a: jax_fa4.quantize(a, 0))(x)
+  _same_mx(gv, mx.quantize(x, 1), check_axis=False)  # a vmapped MXArray keeps its per-example axis
+  # Placed on the CPU it is mx.quantize (the CUDA custom call is only lowered for the GPU).
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    xc = jax.device_put(x, cpu)
+    f = jax.jit(lambda a: jax_fa4.quantize(a, 1))
+    assert _T_QUANTIZE_NAME not in f.lower(xc).as_text()
+    _same_mx(f(xc), mx.quantize(xc, 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # The preparation kernels on their own (so a forward failure can be placed).
 
@@ -207,6 +280,59 @@ def test_prep_v_layout():
     step = np.asarray(vs)[b][..., None] * 2.0**-10
     assert np.all(np.abs(val[b, ..., :L] - ref[b, ..., :L]) <= step)
     assert np.all(val[b, ..., L:] == 0)
+
+
+def _prep_v_model(vm, kl, s_pad):
+  """prep_v's output from its definition (numpy): per column the largest block byte over the blocks
+  holding valid keys; each valid key e4m3(e * 2^-min(max(col - blk, 0), 31)) in fp32 (RNE), NaN
+  (0x7f) for a NaN column; zeros past kv_len and in the padding; keys permuted in 16-key groups."""
+  import ml_dtypes
+  data = np.asarray(jax.lax.bitcast_convert_type(vm.data, jnp.uint8))  # [B, S, K, H]
+  sb = np.asarray(mx.e8m0_to_bytes(vm.scale)).astype(np.int32)         # [B, nblk, K, H]
+  B, S, K, H = data.shape
+  key = np.arange(S)
+  pos = (key & ~15) + ((key & 7) >> 1) * 4 + ((key >> 3) & 1) * 2 + (key & 1)
+  vt = np.zeros((B, K, H, s_pad), np.uint8)
+  vs = np.zeros((B, K, H), np.float32)
+  for b in range(B):
+    L = min(max(int(kl[b]), 0), S)
+    nv = -(-L // 32)
+    col = sb[b, :nv].max(axis=0) if nv else np.zeros((K, H), np.int32)
+    vs[b] = np.where(col == 255, np.float32(np.nan),
+                     np.where(col == 0, np.float32(2.0**-127), np.exp2(col.astype(np.float64) - 127)))
+    blk = np.repeat(sb[b], 32, axis=0)[:S]
+    f = np.exp2(-np.clip(col[None] - blk, 0, 31).astype(np.float64)).astype(np.float32)
+    r = (data[b].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * f).astype(ml_dtypes.float8_e4m3fn)
+    r = np.where(col[None] == 255, np.uint8(0x7F), r.view(np.uint8))
+    r[L:] = 0
+    vt[b][..., pos] = np.transpose(r, (1, 2, 0))
+  return vt, vs
+
+
+@pytest.mark.parametrize("B,S,K,H,lens", [
+    (2, 1, 1, 64, (1, 0)),
+    (2, 31, 3, 64, (31, 17)),
+    (3, 113, 2, 128, (113, 100, -5)),
+    (1, 1023, 1, 256, (1000,)),
+    (2, 300, 2, 128, (400, 129)),  # kv_len past S is clamped
+    (1, 4096, 2, 64, (4000,)),
+])
+def test_prep_v_bit_exact(B, S, K, H, lens):
+  rng = np.random.default_rng(_SEED)
+  _, _, v = make_qkv("token_outliers", B, 1, S, K, K, H, seed=_SEED)
+  v = np.array(v, np.float32)
+  v *= np.exp(rng.uniform(-12, 12, size=(1, 1, K, H))).astype(np.float32)  # columns far apart
+  v[:, 7::70] *= np.float32(2.0**27)  # rare huge keys: the other blocks of a column shift by up to ~33
+  if S > 40:  # a NaN block inside the valid keys of batch 0 and one past kv_len of the last batch
+    v[0, 3, 0, 5] = np.nan
+    v[-1, S - 1, K - 1, H - 1] = np.nan
+  vm = mx.quantize(jnp.asarray(v), 1)
+  kl = np.asarray(lens, np.int32)
+  s_pad = _ops()._s_pad(S)
+  vt, vs = _ops()._prep_v(vm, jnp.asarray(kl), s_pad)
+  vt_ref, vs_ref = _prep_v_model(vm, kl, s_pad)
+  np.testing.assert_array_equal(np.asarray(vs).view(np.uint32), vs_ref.view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(vt, jnp.uint8)), vt_ref)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,3 +147,36 @@ def test_rounding_survives_jit_on_the_default_device():
   byte, el = _numpy_quantize(np.asarray(x) * 3.0)
   want = el.astype(np.float32) * np.exp2(np.repeat(byte.astype(np.float64) - 127, 32, -1)[:, :96])
   np.testing.assert_array_equal(np.asarray(qdq), want.astype(np.float32))
+
+
+def test_package_quantize_is_mx_quantize_off_hopper(monkeypatch):
+  # jax_fa4.quantize: mx.quantize's bits wherever it runs. Here (no Hopper GPU) it is mx.quantize;
+  # with the CUDA path forced on, the program compiled for the CPU still takes mx.quantize's
+  # branch (platform_dependent), under jit, vmap and grad alike.
+  import jax_fa4
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 70, 5)) * 100, jnp.bfloat16)
+  want = mx.quantize(x, 1)
+
+  def same(got):
+    np.testing.assert_array_equal(bytes_of(got), bytes_of(want))
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got.data, jnp.uint8)),
+                                  np.asarray(jax.lax.bitcast_convert_type(want.data, jnp.uint8)))
+
+  same(jax_fa4.quantize(x, 1))
+  from jax_fa4 import _cuda_ops
+  traced = []
+
+  def fake_cuda(a, axis):  # wrong on purpose: it must be traced but never run on the CPU
+    traced.append(axis)
+    m = mx.quantize(a * 2, axis)
+    return mx.MXArray(data=m.data, scale=m.scale, axis=axis)
+
+  monkeypatch.setattr(mx, "_cuda_quantizer_available", lambda: True)
+  monkeypatch.setattr(_cuda_ops, "quantize", fake_cuda)
+  same(jax.jit(lambda a: jax_fa4.quantize(a, 1))(x))
+  assert traced
+  same(jax.vmap(lambda a: jax_fa4.quantize(a, 0))(x))
+  xf = x.astype(jnp.float32)
+  loss = lambda q: (lambda a: jnp.sum(q(a, 1).dequantize() * jnp.cos(a)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss(jax_fa4.quantize)))(xf)),
+                                np.asarray(jax.jit(jax.grad(loss(mx.quantize)))(xf)))

@@ -68,7 +68,189 @@ __device__ __forceinline__ float block_amax(const float* x, int n_valid) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Float -> MX along the middle axis of x viewed as [outer, L, inner]. One thread per block.
+// Float -> MX along the middle axis of x viewed as [outer, L, inner], blocks of 32 along L.
+//
+// quantize_mx_cols_kernel (the V path: blocked along S, inner = Kh*H contiguous): one warp per
+// (outer, 32-row block, column tile of kQChunks chunks of kPer = 16 / sizeof(T) adjacent columns).
+// Lane l owns chunk l % kQChunks and rows (l / kQChunks) * kQRows + [0, kQRows) of the block, so
+// each load instruction of a warp reads 4 rows x kQChunks * 16 contiguous bytes (16-byte LDGs) and
+// each store writes 4 rows x kQChunks * kPer contiguous e4m3 bytes (kPer-byte STGs). The block's
+// amax of a column is the max over the thread's rows of |x| as ordered bits (packed two at a time
+// for 16-bit types), then over the kQRowGroups lanes of the column by two xor-shuffles. Per
+// element the arithmetic is quantize_block32's (scale_byte_from_amax, scale_down, cvt_e4m3x2), so
+// the bytes are those of the one-thread-per-block kernel below. Requires inner % kPer == 0 and
+// aligned pointers (x 16 bytes, data and scale kPer bytes); quantize_mx_kernel serves the rest.
+constexpr int kQChunks = 8;                     // 16-byte column chunks per warp (lanes along inner)
+constexpr int kQRowGroups = 32 / kQChunks;      // lanes along the 32 rows of a block
+constexpr int kQRows = 32 / kQRowGroups;        // rows per thread
+constexpr int kQThreads = 256;
+
+// |x| as ordered unsigned bits, packed like the 16-byte word it came from: for non-negative floats
+// the integer order is the float order and a NaN's bits exceed +inf's, so integer maxima are the
+// block_amax (NaN -> NaN) of the values.
+template <typename T> __device__ __forceinline__ uint32_t abs_bits_word(uint32_t w);
+template <> __device__ __forceinline__ uint32_t abs_bits_word<float>(uint32_t w) { return w & 0x7fffffffu; }
+template <> __device__ __forceinline__ uint32_t abs_bits_word<__nv_bfloat16>(uint32_t w) { return w & 0x7fff7fffu; }
+template <> __device__ __forceinline__ uint32_t abs_bits_word<__half>(uint32_t w) { return w & 0x7fff7fffu; }
+template <typename T> __device__ __forceinline__ uint32_t max_bits_word(uint32_t a, uint32_t b) {
+  if constexpr (sizeof(T) == 4) return max(a, b);
+  else return max_u16x2(a, b);
+}
+// Element e of a 16-byte word vector as fp32.
+template <typename T> __device__ __forceinline__ float elem_f32(const uint32_t* w, int e) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[e]);
+  } else {
+    const uint16_t h = (uint16_t)(w[e / 2] >> (16 * (e % 2)));
+    return to_f32(*reinterpret_cast<const T*>(&h));
+  }
+}
+// kWords packed words stored with one 4- or 8-byte store (dst aligned to it).
+template <int kWords> __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t* w) {
+  if constexpr (kWords == 1) *reinterpret_cast<uint32_t*>(dst) = w[0];
+  else *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQThreads) quantize_mx_cols_kernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                                                                     uint8_t* __restrict__ scale, int64_t outer, int L,
+                                                                     int inner, int64_t n_tasks) {
+  constexpr int kPer = 16 / (int)sizeof(T);  // columns per thread (one 16-byte load per row)
+  constexpr int kWords = kPer / 4;           // e4m3 words per row
+  const int lane = threadIdx.x & 31;
+  const int64_t task = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  if (task >= n_tasks) return;  // warp-uniform: the shuffles below see all 32 lanes
+  const int ctiles = (inner + kQChunks * kPer - 1) / (kQChunks * kPer);
+  const int nblk = (L + 31) / 32;
+  const int ct = (int)(task % ctiles);
+  const int64_t ob = task / ctiles;
+  const int blk = (int)(ob % nblk);
+  const int64_t o = ob / nblk;
+  const int col = (ct * kQChunks + lane % kQChunks) * kPer;
+  const bool live = col < inner;  // inner % kPer == 0: a chunk is wholly inside or outside
+  const int r0 = blk * 32 + (lane / kQChunks) * kQRows;
+  const int64_t row0 = (o * L + r0) * (int64_t)inner + col;  // element offset of (o, r0, col)
+
+  // All loads first (kQRows x 16 bytes in flight per thread); rows past L are the zero padding.
+  uint4 u[kQRows];
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    u[r] = make_uint4(0u, 0u, 0u, 0u);
+    if (live && r0 + r < L) u[r] = __ldg(reinterpret_cast<const uint4*>(x + row0 + (int64_t)r * inner));
+  }
+  uint32_t m[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    const uint32_t w[4] = {u[r].x, u[r].y, u[r].z, u[r].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m[i] = max_bits_word<T>(m[i], abs_bits_word<T>(w[i]));
+  }
+#pragma unroll
+  for (int off = kQChunks; off < 32; off <<= 1)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m[i] = max_bits_word<T>(m[i], __shfl_xor_sync(0xffffffffu, m[i], off));
+
+  // Per column: the scale byte, its two scale_down factors, and a byte mask of NaN-scale columns.
+  uint32_t byte[kPer];
+  float f1[kPer], f2[kPer];
+  uint32_t nanm[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) nanm[i] = 0u;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    byte[e] = scale_byte_from_amax(elem_f32<T>(m, e));
+    const int ex = 127 - (int)byte[e];                    // as scale_down
+    const int e1 = (ex >= 0) ? ex / 2 : -((-ex + 1) / 2);  // floor(ex / 2)
+    f1[e] = jax_fa4::sm90::pow2i(e1);
+    f2[e] = jax_fa4::sm90::pow2i(ex - e1);
+    if (byte[e] == 255u) nanm[e / 4] |= 0xffu << (8 * (e % 4));
+  }
+  if (!live) return;
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    if (r0 + r >= L) break;
+    const uint32_t w[4] = {u[r].x, u[r].y, u[r].z, u[r].w};
+    uint32_t q[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[k] = __fmul_rn(__fmul_rn(elem_f32<T>(w, 4 * i + k), f1[4 * i + k]), f2[4 * i + k]);
+      const uint32_t qw = (uint32_t)cvt_e4m3x2(v[0], v[1]) | ((uint32_t)cvt_e4m3x2(v[2], v[3]) << 16);
+      q[i] = (qw & ~nanm[i]) | (0x7f7f7f7fu & nanm[i]);  // NaN scale: NaN elements (quantize_block32)
+    }
+    store_words<kWords>(data + row0 + (int64_t)r * inner, q);
+  }
+  if (lane < kQChunks) {  // row group 0 writes the kPer scale bytes of its columns
+    uint32_t sb[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; ++i)
+      sb[i] = byte[4 * i] | (byte[4 * i + 1] << 8) | (byte[4 * i + 2] << 16) | (byte[4 * i + 3] << 24);
+    store_words<kWords>(scale + ((o * nblk + blk) * (int64_t)inner + col), sb);
+  }
+}
+
+// The last-axis case (inner == 1, L % 32 == 0: blocks are 32 contiguous elements): 4 lanes per
+// block, 8 elements per lane, so a warp's load instruction reads 32 x 16 contiguous bytes (bf16/f16;
+// two loads for fp32) and its store writes 32 x 8 contiguous e4m3 bytes. Each warp takes
+// kQRowIter consecutive runs of 32 groups of 8, all loads first. The 4 lanes of a block combine
+// their amax bits with two xor-shuffles; per element the arithmetic is quantize_block32's.
+constexpr int kQRowIter = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kQThreads) quantize_mx_rows_kernel(const T* __restrict__ x, uint8_t* __restrict__ data,
+                                                                     uint8_t* __restrict__ scale, int64_t n_groups) {
+  constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte load
+  constexpr int kLoads = 8 / kVec;           // 16-byte loads per group of 8 elements
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  uint4 u[kQRowIter][kLoads];
+#pragma unroll
+  for (int k = 0; k < kQRowIter; ++k) {
+    const int64_t g = (warp * kQRowIter + k) * 32 + lane;
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      u[k][c] = make_uint4(0u, 0u, 0u, 0u);
+      if (g < n_groups) u[k][c] = __ldg(reinterpret_cast<const uint4*>(x + g * 8) + c);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kQRowIter; ++k) {
+    // n_groups is a multiple of 4 (whole blocks): the 4 lanes of a block are live or dead together,
+    // and every lane runs the shuffles.
+    const int64_t g = (warp * kQRowIter + k) * 32 + lane;
+    uint32_t w[kLoads * 4];
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      w[4 * c + 0] = u[k][c].x; w[4 * c + 1] = u[k][c].y; w[4 * c + 2] = u[k][c].z; w[4 * c + 3] = u[k][c].w;
+    }
+    uint32_t m = 0u;
+#pragma unroll
+    for (int i = 0; i < kLoads * 4; ++i) m = max_bits_word<T>(m, abs_bits_word<T>(w[i]));
+    if constexpr (sizeof(T) == 2) m = max(m & 0xffffu, m >> 16);
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const uint32_t byte = scale_byte_from_amax(elem_f32<T>(&m, 0));
+    if (g >= n_groups) continue;
+    uint32_t q[2];
+    if (byte == 255u) {
+      q[0] = q[1] = 0x7f7f7f7fu;  // NaN scale: NaN elements
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = scale_down(elem_f32<T>(w, 4 * i + e), byte);
+        q[i] = (uint32_t)cvt_e4m3x2(v[0], v[1]) | ((uint32_t)cvt_e4m3x2(v[2], v[3]) << 16);
+      }
+    }
+    *reinterpret_cast<uint2*>(data + g * 8) = make_uint2(q[0], q[1]);
+    if ((lane & 3) == 0) scale[g / 4] = (uint8_t)byte;
+  }
+}
+
+// The general quantizer: one thread per block (any inner, any alignment; with inner == 1 it reads
+// its 32 contiguous elements with 16-byte loads where they are aligned).
 template <typename T>
 __global__ void quantize_mx_kernel(const T* __restrict__ x, uint8_t* __restrict__ data, uint8_t* __restrict__ scale,
                                    int64_t outer, int L, int inner) {
@@ -211,71 +393,155 @@ __global__ void prep_v_colscale_kernel(const uint8_t* __restrict__ vscale, const
   }
 }
 
+// Packed e4m3 <-> f16 (both exact: e4m3 is a subset of f16).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t v) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
+  return h2;
+}
+__device__ __forceinline__ uint16_t f16x2_to_e4m3x2(uint32_t h2) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(h2));
+  return r;
+}
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));  // .rn: never fused, subnormals kept
+  return d;
+}
+
+// 2^-sh for the requantisation from block byte blk to column byte col (col >= blk), as an f16
+// pair. Bit-exact with requant_factor's fp32 product followed by cvt_e4m3x2:
+//  * an e4m3 value is M * 2^(e-3) with M < 16 and e - 3 >= -9; times 2^-sh it is exact in f16
+//    whenever 2^(e-3-sh) >= 2^-24 (f16's subnormal step). Otherwise its magnitude is below
+//    16 * 2^-25 = 2^-21, under e4m3's half subnormal step 2^-10, so both routes round it to a
+//    zero of its sign; the f16 rounding cannot lift it anywhere near 2^-10.
+//  * requant_factor clamps sh to 31; every sh >= 20 sends all e4m3 values (< 2^9) below 2^-11,
+//    i.e. to signed zeros, so clamping to 24 (2^-24 is f16's smallest subnormal) changes nothing.
+__device__ __forceinline__ uint32_t requant_factor_f16x2(uint32_t col_byte, uint32_t blk_byte) {
+  int sh = (int)col_byte - (int)blk_byte;
+  sh = sh < 0 ? 0 : (sh > 24 ? 24 : sh);
+  const uint32_t h = sh <= 14 ? (uint32_t)(15 - sh) << 10 : 1u << (24 - sh);
+  return h | (h << 16);
+}
+
+// The e4m3 bytes of a word with every NaN (0x7f / 0xff) made positive (0x7f), so a NaN element
+// leaves as 0x7f whatever an f16 multiply does with a NaN's sign. The fp32 route gives 0x7f as
+// well, its fp32 multiply returning the canonical (positive) NaN. Only hand-made MX input has NaN
+// elements in a block with a finite scale (mx.quantize writes 0x7f into NaN-scale blocks only,
+// and a valid NaN-scale block makes the whole column NaN), so no test covers this case.
+__device__ __forceinline__ uint32_t positive_nans(uint32_t w) {
+  return w & ~(((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u);
+}
+
 // Stored position of key k (0..15) inside its 16-key group of V^T. Inverse of the map the P
 // registers imply (fwd_sm90_softmax.cuh pack_p): A column c holds key (c/4)*2 + (c&1) + ((c>>1)&1)*8.
 __device__ __forceinline__ int vt_pos_of_key(int k) { return ((k & 7) >> 1) * 4 + (k >> 3) * 2 + (k & 1); }
+__device__ __forceinline__ int vt_key_of_pos(int p) { return ((p >> 1) & 1) * 8 + (p >> 2) * 2 + (p & 1); }
+
+// 16 keys of one column (key order, byte j of word i = key 4i + j), one 32-key block: requantised
+// from block byte blk to column byte col and permuted to vt_pos_of_key order. Stored word a holds
+// keys {2a, 2a+1, 8+2a, 9+2a}: the pairs (2a, 2a+1) and (8+2a, 9+2a) stay adjacent, so the
+// permutation is free at the e4m3x2 granularity of the conversions.
+__device__ __forceinline__ uint4 requant_permute16(uint4 in, uint32_t col, uint32_t blk) {
+  const uint32_t fac = requant_factor_f16x2(col, blk);
+  const uint32_t w[4] = {positive_nans(in.x), positive_nans(in.y), positive_nans(in.z), positive_nans(in.w)};
+  uint32_t pr[8];  // pr[p]: keys 2p, 2p+1
+#pragma unroll
+  for (int p = 0; p < 8; ++p)
+    pr[p] = f16x2_to_e4m3x2(mul_f16x2(e4m3x2_to_f16x2((uint16_t)(w[p / 2] >> (16 * (p % 2)))), fac));
+  return make_uint4(pr[0] | (pr[4] << 16), pr[1] | (pr[5] << 16), pr[2] | (pr[6] << 16), pr[3] | (pr[7] << 16));
+}
 
 // V, pass 2: [B, S, Kh, HD] e4m3 (blocks along S) -> vt[B, Kh, HD, S_pad] on the column scales.
-// Tile of 64 keys x 64 columns through shared memory; grid (S_pad/64, HD/64 * Kh, B), 256 threads.
-constexpr int kVtTile = 64;
-constexpr int kVtPitch = kVtTile + 16;  // 16-byte aligned rows for the vector reads of pass 2b
-__global__ void prep_v_transpose_kernel(const uint8_t* __restrict__ v, const uint8_t* __restrict__ vscale,
-                                        const float* __restrict__ vs, const int32_t* __restrict__ kv_len,
-                                        uint8_t* __restrict__ vt, int S, int Kh, int HD, int S_pad) {
-  __shared__ __align__(16) uint8_t tile[kVtTile][kVtPitch];
-  const int s0 = blockIdx.x * kVtTile;
-  const int dtiles = HD / kVtTile;
-  const int d_tile = blockIdx.y % dtiles, kh = blockIdx.y / dtiles;
+// One CTA (128 threads) per tile of kVtKeys = 128 keys x kVtCols = 64 columns; grid
+// (S_pad / 128, HD / 64 * Kh, B).
+//  1. Each thread loads 4 keys x 16 columns (4 x 16-byte LDG; a warp reads 8 keys x 64 bytes per
+//     instruction), transposes the 4x4 byte squares in registers (PRMT) and stores 16 words
+//     [column][4 keys] to shared memory. Keys at or past kv_len are not loaded: zeros. The tile's
+//     block scale bytes (4 blocks x 64 columns) and column bytes go to shared memory too.
+//  2. Each thread takes 16 keys of one column (one 16-byte LDS), requantises them with ONE factor
+//     (16 keys lie in one 32-key block) on the f16 route, permutes them within the 16-key group and
+//     writes 16 bytes of vt: 8 lanes write one 128-byte row segment.
+// Shared layout: tile[c][word] (32 words of 4 keys per column), the word index XORed with
+// ((c >> 4) & 3) << 3. Stage 1's store instruction has lanes (kq = lane % 8, ch = lane / 8) writing
+// column ch * 16 + const, word warp * 8 + kq: physical word (warp ^ ch) * 8 + kq, 32 distinct banks.
+// Stage 2's quarter-warps read 8 distinct 16-byte chunks of one column: conflict-free as well.
+constexpr int kVtKeys = 128;
+constexpr int kVtCols = 64;
+constexpr int kVtThreads = 128;
+
+__device__ __forceinline__ int vt_swizzle(int c, int word) { return word ^ (((c >> 4) & 3) << 3); }
+
+__global__ void __launch_bounds__(kVtThreads) prep_v_transpose_kernel(
+    const uint8_t* __restrict__ v, const uint8_t* __restrict__ vscale, const float* __restrict__ vs,
+    const int32_t* __restrict__ kv_len, uint8_t* __restrict__ vt, int S, int Kh, int HD, int S_pad) {
+  __shared__ __align__(16) uint32_t tile[kVtCols][kVtKeys / 4];
+  __shared__ __align__(16) uint8_t blk_bytes[kVtKeys / 32][kVtCols];
+  __shared__ uint8_t col_bytes[kVtCols];
+  const int s0 = blockIdx.x * kVtKeys;
+  const int dtiles = HD / kVtCols;
+  const int d0 = (blockIdx.y % dtiles) * kVtCols, kh = blockIdx.y / dtiles;
   const int b = blockIdx.z;
   const int nblk = (S + 31) / 32;
   const int len = min(max(kv_len[b], 0), S);
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
   {
-    const int key = t / 4, dch = t % 4;
-    const int s = s0 + key;
-    const int d0 = d_tile * kVtTile + dch * 16;
-    uint32_t outw[4] = {0u, 0u, 0u, 0u};
-    if (s < len) {
-      const uint4 e = *reinterpret_cast<const uint4*>(v + (((int64_t)b * S + s) * Kh + kh) * HD + d0);
-      const uint4 bs = *reinterpret_cast<const uint4*>(vscale + (((int64_t)b * nblk + s / 32) * Kh + kh) * HD + d0);
-      const float* vsr = vs + ((int64_t)b * Kh + kh) * HD + d0;
-      const uint32_t ew[4] = {e.x, e.y, e.z, e.w};
-      const uint32_t bw[4] = {bs.x, bs.y, bs.z, bs.w};
+    const int kq = lane % 8, ch = lane / 8;
+    const int key0 = warp * 32 + kq * 4;  // first of this thread's 4 keys in the tile
+    uint4 e[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 cs = *reinterpret_cast<const float4*>(vsr + 4 * q);
-        const float csa[4] = {cs.x, cs.y, cs.z, cs.w};
-        uint32_t res = 0;
+    for (int j = 0; j < 4; ++j) {
+      const int s = s0 + key0 + j;
+      e[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (s < len) e[j] = __ldg(reinterpret_cast<const uint4*>(v + (((int64_t)b * S + s) * Kh + kh) * HD + d0 + ch * 16));
+    }
+    if (t < 16) {  // block scale bytes: 4 blocks x 4 chunks of 16 columns
+      const int sb = s0 / 32 + t / 4;
+      uint4 bs = make_uint4(0u, 0u, 0u, 0u);
+      if (sb < nblk) bs = __ldg(reinterpret_cast<const uint4*>(vscale + (((int64_t)b * nblk + sb) * Kh + kh) * HD + d0 + (t % 4) * 16));
+      *reinterpret_cast<uint4*>(&blk_bytes[t / 4][(t % 4) * 16]) = bs;
+    } else if (t >= 32 && t < 48) {  // column bytes: the fp32 exponent field of vs (right for 2^-127 and NaN too)
+      const float4 cs = __ldg(reinterpret_cast<const float4*>(vs + ((int64_t)b * Kh + kh) * HD + d0 + (t - 32) * 4));
+      const uint32_t cb = ((__float_as_uint(cs.x) >> 23) & 0xffu) | (((__float_as_uint(cs.y) >> 23) & 0xffu) << 8) |
+                          (((__float_as_uint(cs.z) >> 23) & 0xffu) << 16) | (((__float_as_uint(cs.w) >> 23) & 0xffu) << 24);
+      *reinterpret_cast<uint32_t*>(&col_bytes[(t - 32) * 4]) = cb;
+    }
+    const uint32_t w[4][4] = {{e[0].x, e[0].y, e[0].z, e[0].w}, {e[1].x, e[1].y, e[1].z, e[1].w},
+                              {e[2].x, e[2].y, e[2].z, e[2].w}, {e[3].x, e[3].y, e[3].z, e[3].w}};
+    const int word = warp * 8 + kq;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // The column's byte is its fp32 exponent field (also right for 2^-127 and NaN).
-          const uint32_t colb = (__float_as_uint(csa[k]) >> 23) & 0xffu;
-          const uint32_t blkb = (bw[q] >> (8 * k)) & 0xffu;
-          const uint32_t byte = (ew[q] >> (8 * k)) & 0xffu;
-          uint32_t r;
-          if (colb == 255u) {
-            r = 0x7fu;
-          } else {
-            const float2 f = e4m3x2_to_float2((uint16_t)byte);
-            r = cvt_e4m3x2(f.x * requant_factor(colb, blkb), 0.f) & 0xffu;
-          }
-          res |= r << (8 * k);
-        }
-        outw[q] = res;
+    for (int q = 0; q < 4; ++q) {
+      // 4 keys x 4 columns (bytes 4q..4q+3 of the chunk) -> 4 columns x 4 keys.
+      const uint32_t x01 = __byte_perm(w[0][q], w[1][q], 0x5140), x23 = __byte_perm(w[2][q], w[3][q], 0x5140);
+      const uint32_t y01 = __byte_perm(w[0][q], w[1][q], 0x7362), y23 = __byte_perm(w[2][q], w[3][q], 0x7362);
+      const uint32_t col[4] = {__byte_perm(x01, x23, 0x5410), __byte_perm(x01, x23, 0x7632),
+                               __byte_perm(y01, y23, 0x5410), __byte_perm(y01, y23, 0x7632)};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int c = ch * 16 + q * 4 + k;
+        tile[c][vt_swizzle(c, word)] = col[k];
       }
     }
-    const int pos = (key & ~15) + vt_pos_of_key(key & 15);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) tile[dch * 16 + q * 4 + k][pos] = (uint8_t)(outw[q] >> (8 * k));
   }
   __syncthreads();
-  {
-    const int row = t / 4, ch = t % 4;
-    const uint4 val = *reinterpret_cast<const uint4*>(&tile[row][ch * 16]);
-    const int d = d_tile * kVtTile + row;
-    *reinterpret_cast<uint4*>(vt + (((int64_t)b * Kh + kh) * HD + d) * S_pad + s0 + ch * 16) = val;
+#pragma unroll
+  for (int i = 0; i < (kVtCols * kVtKeys / 16) / kVtThreads; ++i) {
+    const int item = i * kVtThreads + t;
+    const int c = item / 8, g = item % 8;  // column, 16-key group
+    const uint4 in = *reinterpret_cast<const uint4*>(&tile[c][vt_swizzle(c, 4 * g)]);
+    const uint32_t colb = col_bytes[c];
+    uint4 out;
+    if (colb != 255u) {
+      out = requant_permute16(in, colb, blk_bytes[g / 2][c]);
+    } else {  // a NaN column: NaN for the valid keys (prep_v's rule), zeros past kv_len
+      uint32_t o[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int p = 0; p < 16; ++p)
+        if (s0 + 16 * g + vt_key_of_pos(p) < len) o[p / 4] |= 0x7fu << (8 * (p % 4));
+      out = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    *reinterpret_cast<uint4*>(vt + (((int64_t)b * Kh + kh) * HD + d0 + c) * S_pad + s0 + 16 * g) = out;
   }
 }
 

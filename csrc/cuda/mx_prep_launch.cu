@@ -11,28 +11,51 @@ constexpr int kThreadsPerBlock = 256;
 inline unsigned blocks_for(int64_t n) { return (unsigned)((n + kThreadsPerBlock - 1) / kThreadsPerBlock); }
 }  // namespace
 
+template <typename T>
+static cudaError_t quantize_mx_typed(const T* x, uint8_t* data, uint8_t* scale, int64_t outer, int L, int inner,
+                                     cudaStream_t stream) {
+  constexpr int kPer = 16 / (int)sizeof(T);
+  const auto aligned = [](const void* p, unsigned a) { return reinterpret_cast<uintptr_t>(p) % a == 0; };
+  // The coalesced column kernel (the V path) wherever a 16-byte chunk of columns is whole and the
+  // pointers allow its vector accesses; the rows kernel for whole contiguous blocks (inner == 1);
+  // the one-thread-per-block kernel for the rest.
+  if (inner % kPer == 0 && aligned(x, 16) && aligned(data, kPer) && aligned(scale, kPer)) {
+    const int64_t ctiles = (inner + prep::kQChunks * kPer - 1) / (prep::kQChunks * kPer);
+    const int64_t tasks = outer * ((L + 31) / 32) * ctiles;  // one warp each
+    const int64_t blocks = (tasks + prep::kQThreads / 32 - 1) / (prep::kQThreads / 32);
+    if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+    prep::quantize_mx_cols_kernel<T><<<(unsigned)blocks, prep::kQThreads, 0, stream>>>(x, data, scale, outer, L,
+                                                                                         inner, tasks);
+    return cudaGetLastError();
+  }
+  // The last-axis case with whole blocks: 4 lanes per block, contiguous warp accesses.
+  if (inner == 1 && L % 32 == 0 && aligned(x, 16) && aligned(data, 8)) {
+    const int64_t groups = outer * (int64_t)L / 8;
+    const int64_t per_cta = (int64_t)prep::kQThreads * prep::kQRowIter;
+    const int64_t blocks = (groups + per_cta - 1) / per_cta;
+    if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+    prep::quantize_mx_rows_kernel<T><<<(unsigned)blocks, prep::kQThreads, 0, stream>>>(x, data, scale, groups);
+    return cudaGetLastError();
+  }
+  const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
+  if (blocks_for(total) > 0x7fffffffu) return cudaErrorInvalidValue;
+  prep::quantize_mx_kernel<T><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(x, data, scale, outer, L, inner);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_quantize_mx(const void* x, FloatType type, uint8_t* data, uint8_t* scale, int64_t outer, int L,
                                int inner, cudaStream_t stream) {
-  const int64_t total = outer * ((L + 31) / 32) * (int64_t)inner;
-  if (total == 0) return cudaSuccess;
-  if (blocks_for(total) > 0x7fffffffu) return cudaErrorInvalidValue;
+  if (outer * ((L + 31) / 32) * (int64_t)inner == 0) return cudaSuccess;
   switch (type) {
     case FloatType::kF32:
-      prep::quantize_mx_kernel<float><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const float*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const float*>(x), data, scale, outer, L, inner, stream);
     case FloatType::kBF16:
-      prep::quantize_mx_kernel<__nv_bfloat16><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const __nv_bfloat16*>(x), data, scale, outer, L, inner, stream);
     case FloatType::kF16:
-      prep::quantize_mx_kernel<__half><<<blocks_for(total), kThreadsPerBlock, 0, stream>>>(
-          static_cast<const __half*>(x), data, scale, outer, L, inner);
-      break;
+      return quantize_mx_typed(static_cast<const __half*>(x), data, scale, outer, L, inner, stream);
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 template <int HD>
@@ -76,15 +99,15 @@ cudaError_t launch_prep_rows(const void* x, int float_type, const uint8_t* xs, u
 
 cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t* kv_len, uint8_t* vt, float* vs,
                           int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream) {
-  if (HD % prep::kVtTile != 0 || S_pad % prep::kVtTile != 0) return cudaErrorInvalidValue;
+  if (HD % prep::kVtCols != 0 || S_pad % prep::kVtKeys != 0) return cudaErrorInvalidValue;
   if (B == 0 || Kh == 0) return cudaSuccess;
   dim3 g1((HD + 31) / 32, Kh, B), b1(32, 8);
   prep::prep_v_colscale_kernel<<<g1, b1, 0, stream>>>(vscale, kv_len, vs, S, Kh, HD);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (S_pad == 0) return cudaSuccess;
-  dim3 g2(S_pad / prep::kVtTile, (HD / prep::kVtTile) * Kh, B);
-  prep::prep_v_transpose_kernel<<<g2, 256, 0, stream>>>(v, vscale, vs, kv_len, vt, S, Kh, HD, S_pad);
+  dim3 g2(S_pad / prep::kVtKeys, (HD / prep::kVtCols) * Kh, B);
+  prep::prep_v_transpose_kernel<<<g2, prep::kVtThreads, 0, stream>>>(v, vscale, vs, kv_len, vt, S, Kh, HD, S_pad);
   return cudaGetLastError();
 }
 
