@@ -86,8 +86,9 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
   // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |16 diagnostic (mainloop).
   p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
-  if (p.pipelined & 18) p.pipelined |= 1;
+  if (p.pipelined & 16) p.pipelined |= 1;
   const bool pipe = (p.pipelined & 1) != 0;  // the overlapped loop: H <= 128 only (registers)
+  // (bit 2, ping-pong, also applies to the sequential loop, so H = 256 honours it)
   if (a.exact_scores) {
     p.qk_promote = 0;
     switch (a.H) {

@@ -164,6 +164,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t q_base = smem_u32(sQ) + cw * 64 * SWQK;
     bool use_pipeline = false;
     if constexpr (kPipe && H <= 128) use_pipeline = n_tiles > 0;
+    // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = the overlapped loop (kPipe); 2 = ping-pong the two
+    // consumers with named barriers (FA3: one warpgroup issues its GEMMs while the other runs its
+    // softmax), in either loop. Only switches that touch no wgmma accumulator may be run-time values:
+    // a run-time choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize
+    // every wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
+    const bool pingpong = (p.pipelined & 2) != 0 && n_tiles > 0;
+    // Ping-pong: consumer c issues a GEMM block only after the other consumer's bar.arrive on
+    // barrier 1 + c (256 = this warpgroup's 128 syncing threads + the other's 128 arriving).
+    // Overlapped loop: blocks {S(0)}, {S(j), PV(j-1)} for j = 1..n-1, {PV(n-1)}: n+1 per consumer.
+    // Sequential loop: blocks {S(j)}, {PV(j)}: 2n per consumer. Consumer 1 opens with one arrive for
+    // consumer 0 and skips its last one, so every sync is matched within the work tile.
+    // (Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.)
+    auto pp_sync = [&]() {
+      if (!pingpong) return;
+      if (cw == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
+      else asm volatile("bar.sync 2, 256;" ::: "memory");
+    };
+    auto pp_arrive = [&](bool last) {
+      if (!pingpong) return;
+      if (cw == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
+      else if (!last) asm volatile("bar.arrive 1, 256;" ::: "memory");
+    };
+    if (pingpong && cw == 1) asm volatile("bar.arrive 1, 256;" ::: "memory");
     if constexpr (kPipe && H <= 128) {
       if (use_pipeline) {
         // Intra-warpgroup overlap (FA3): the softmax of tile it runs on the CUDA cores while the
@@ -202,12 +225,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (diag_no_exp) sm.template step<true>(sc, a0, a1);
           else sm.step(sc, a0, a1);
         };
-        // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = this overlapped loop; 2 = also ping-pong the two
-        // consumers with named barriers (FA3: one warpgroup issues its GEMMs while the other runs
-        // softmax). Only switches that touch no wgmma accumulator may be run-time values: a run-time
-        // choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize every
-        // wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
-        const bool pingpong = (p.pipelined & 2) != 0;
         float ot[H / 2];
         // P(j) V(j) into the tile accumulator ot (two-level: finish_pv adds it to O in fp32).
         auto issue_pv = [&](int stage) {
@@ -237,22 +254,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[j * 4 + 3] = fmaf(o[j * 4 + 3], a1, ot[j * 4 + 3]);
           }
         };
-        // Ping-pong: consumer c issues a GEMM block only after the other consumer's bar.arrive on
-        // barrier 1 + c (256 = this warpgroup's 128 syncing threads + the other's 128 arriving).
-        // Blocks: {S(0)}, {S(j), PV(j-1)} for j = 1..n-1, {PV(n-1)}: n+1 per consumer. Consumer 1
-        // opens with one arrive for consumer 0 and skips its last one, so every sync is matched.
-        // (Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.)
-        auto pp_sync = [&]() {
-          if (!pingpong) return;
-          if (cw == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
-          else asm volatile("bar.sync 2, 256;" ::: "memory");
-        };
-        auto pp_arrive = [&](bool last) {
-          if (!pingpong) return;
-          if (cw == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
-          else if (!last) asm volatile("bar.arrive 1, 256;" ::: "memory");
-        };
-        if (pingpong && cw == 1) asm volatile("bar.arrive 1, 256;" ::: "memory");
         // Prologue: tile 0.
         mbar_wait(&bar_k[stage_of(0)], phase_of(0));
         pp_sync();
@@ -303,6 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
       if (kExact || !p.qk_promote) {
+        pp_sync();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
@@ -313,8 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        pp_arrive(false);
         wgmma_wait<0>();
       } else {
+        pp_sync();  // (the promoted Q K^T counts as one block)
         // Experimental (JAX_FA4_SM90_QK_PROMOTE=1): every 32-wide k-step into a fresh accumulator,
         // summed in fp32 on the CUDA cores, to measure how much of the score error comes from the
         // fp8 wgmma accumulator across k-steps (DeepSeek-V3's promotion, at interval 32).
@@ -338,6 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < BN / 2; ++i) sc[i] += st[i];
           }
         }
+        pp_arrive(false);
       }
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
@@ -361,6 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // H = 256 does it in two N = 128 halves so the tile accumulator fits the register budget.
       constexpr int NSPLIT = (H == 256) ? 2 : 1;
       constexpr int HN = H / NSPLIT;
+      pp_sync();  // the P V block: both halves at H = 256
 #pragma unroll
       for (int h = 0; h < NSPLIT; ++h) {
         float ot[HN / 2];
@@ -373,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Wgmma<HN>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        if (h == NSPLIT - 1) pp_arrive(it == n_tiles - 1);
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
