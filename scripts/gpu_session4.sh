@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call (<= 600 s): build; the forward's loop variants (bit-identity + timings); the GPU
+# tests of the forward, API, MX quantizer and backward; the quick forward and forward+backward
+# benchmarks; racecheck on tiny shapes with ping-pong and a 2-CTA persistent grid. Every test and
+# benchmark stage runs with JAX_FA4_SM90_PIPELINE=${PIPE:-3} (the loop variant under test). Logs: $OUT.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/gpu_out} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-575} - ($(date +%s) - T0) )); }
+# Runs "$@" with a timeout of min($1, time left - reserve $2).
+run_for() { local want=$1 reserve=$2; shift 2; local l=$(( $(left) - reserve )); (( l > want )) && l=$want;
+  if (( l < 15 )); then log "skipped (no time left): $*"; return 99; fi; timeout "$l" "$@"; }
+
+bash scripts/gpu_forward.sh build,sass || exit 1
+log "loops probe"
+run_for 150 330 $PY scripts/probe_fwd_loops.py --json "$OUT/loops.json" 2>&1 | tee "$OUT/loops.log" | grep -vE "bitwise equal$" | tail -60
+export JAX_FA4_SM90_PIPELINE=${PIPE:-3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+log "pytest forward/api/mx (JAX_FA4_SM90_PIPELINE=$JAX_FA4_SM90_PIPELINE)"
+run_for 170 170 $PY -m pytest -q -rfE --no-header -p no:cacheprovider tests/test_cuda_forward.py tests/test_api.py \
+  tests/test_mx.py > "$OUT/pytest_fwd.log" 2>&1
+echo "rc=$?"; grep -E "seed|FAILED|ERROR|passed|failed" "$OUT/pytest_fwd.log" | tail -25
+log "quick forward benchmark"
+run_for 45 125 $PY benchmarks/bench_forward_gpu.py "$OUT/bench_fwd.json" --quick 2>&1 | tee "$OUT/bench_fwd.log" | tail -22
+log "pytest backward"
+run_for 90 60 $PY -m pytest -q -rfE --no-header -p no:cacheprovider tests/test_cuda_backward.py > "$OUT/pytest_bwd.log" 2>&1
+echo "rc=$?"; grep -E "seed|FAILED|ERROR|passed|failed" "$OUT/pytest_bwd.log" | tail -12
+log "quick forward+backward benchmark"
+run_for 80 40 $PY benchmarks/bench_backward_gpu.py "$OUT/bench_bwd.json" --quick 2>&1 | tee "$OUT/bench_bwd.log" | tail -12
+log "racecheck (ping-pong, persistent grid of 2 CTAs)"
+JAX_FA4_SM90_PERSISTENT=2 SAN_TOOLS=racecheck SAN_TIMEOUT=$(( $(left) - 5 )) bash scripts/gpu_forward.sh sanitize
+log "done"
