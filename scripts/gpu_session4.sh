@@ -15,7 +15,12 @@ left() { echo $(( ${BUDGET:-575} - ($(date +%s) - T0) )); }
 run_for() { local want=$1 reserve=$2; shift 2; local l=$(( $(left) - reserve )); (( l > want )) && l=$want;
   if (( l < 15 )); then log "skipped (no time left): $*"; return 99; fi; timeout "$l" "$@"; }
 
-bash scripts/gpu_forward.sh build,sass || exit 1
+# PREBUILT=1: use a carried jax_fa4/_jax_fa4_cuda*.so (built on the dev machine) if it imports here.
+if [ "${PREBUILT:-0}" = 1 ] && PYTHONPATH=$PWD $PY -c "from jax_fa4 import _jax_fa4_cuda as m; m.registrations()"; then
+  log "prebuilt module: $(ls jax_fa4/_jax_fa4_cuda*.so)"; bash scripts/gpu_forward.sh sass
+else
+  bash scripts/gpu_forward.sh build,sass || exit 1
+fi
 log "loops probe"
 run_for 150 330 $PY scripts/probe_fwd_loops.py --json "$OUT/loops.json" 2>&1 | tee "$OUT/loops.log" | grep -vE "bitwise equal$" | tail -60
 export JAX_FA4_SM90_PIPELINE=${PIPE:-3}
