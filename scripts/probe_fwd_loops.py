@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import pathlib
+import sys
 import time
 
 import jax
@@ -28,6 +29,9 @@ import numpy as np
 
 from jax_fa4 import _cuda_ops as co
 from jax_fa4 import mx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_backward_gpu import time_fn  # noqa: E402  (median of blocked bursts, as the benchmarks time)
 
 ENV = "JAX_FA4_SM90_PIPELINE"
 ENV_PERSISTENT = "JAX_FA4_SM90_PERSISTENT"
@@ -83,16 +87,8 @@ def check_identity(seed: int) -> bool:
   return ok
 
 
-def _time(f, args, reps=5, burst=5):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(burst):
-      out = f(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) / burst)
-  return statistics.median(ts) * 1e6
+def _time(f, args):
+  return time_fn(f, args, warmup=1) * 1e6
 
 
 def timings(results: dict) -> None:
