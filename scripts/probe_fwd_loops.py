@@ -128,8 +128,9 @@ def main():
   ap.add_argument("--quick", action="store_true", help="H = 128 timings of the main variants only")
   args = ap.parse_args()
   print(f"seed {args.seed}", flush=True)
-  ok = check_identity(args.seed)
-  print(f"identity: {'all bitwise equal' if ok else 'SOME DIFFER'}", flush=True)
+  # (--quick leaves the identity check to tests/test_cuda_forward.py::test_loop_variants_and_grids_bitwise_equal)
+  ok = None if args.quick else check_identity(args.seed)
+  print(f"identity: {'skipped' if ok is None else 'all bitwise equal' if ok else 'SOME DIFFER'}", flush=True)
   results = {"device": jax.devices()[0].device_kind, "identity_ok": ok}
   timings(results, args.quick)
   if args.json:
