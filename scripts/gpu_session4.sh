@@ -21,11 +21,11 @@ if [ "${PREBUILT:-0}" = 1 ] && PYTHONPATH=$PWD $PY -c "from jax_fa4 import _jax_
 else
   bash scripts/gpu_forward.sh build,sass || exit 1
 fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # (the probe failed without it on 2026-12-05)
 log "loops probe"
 QUICK=""; (( $(left) < 450 )) && QUICK=--quick  # a short lease: H = 128 timings only
 run_for 140 $([ -n "$QUICK" ] && echo 230 || echo 300) $PY scripts/probe_fwd_loops.py $QUICK --json "$OUT/loops.json" 2>&1 | tee "$OUT/loops.log" | grep -vE "bitwise equal$" | tail -60
 export JAX_FA4_SM90_PIPELINE=${PIPE:-3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log "pytest forward/api/mx (JAX_FA4_SM90_PIPELINE=$JAX_FA4_SM90_PIPELINE)"
 run_for 170 130 $PY -m pytest -q -rfE --no-header -p no:cacheprovider tests/test_cuda_forward.py tests/test_api.py \
   tests/test_mx.py > "$OUT/pytest_fwd.log" 2>&1

@@ -150,11 +150,14 @@ def test_rounding_survives_jit_on_the_default_device():
 
 
 def test_package_quantize_is_mx_quantize_off_hopper(monkeypatch):
-  # jax_fa4.quantize: mx.quantize's bits wherever it runs. Here (no Hopper GPU) it is mx.quantize;
+  # jax_fa4.quantize: mx.quantize's bits wherever it runs. On the CPU device it is mx.quantize;
   # with the CUDA path forced on, the program compiled for the CPU still takes mx.quantize's
-  # branch (platform_dependent), under jit, vmap and grad alike.
+  # branch (platform_dependent), under jit, vmap and grad alike. The input is committed to the CPU
+  # so that the test means the same on a Hopper machine (where the default device is the GPU, and
+  # the fake kernel below would otherwise run: seen on the H200, 2026-12-05).
   import jax_fa4
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 70, 5)) * 100, jnp.bfloat16)
+  cpu = jax.devices("cpu")[0]
+  x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((3, 70, 5)) * 100, jnp.bfloat16), cpu)
   want = mx.quantize(x, 1)
 
   def same(got):
@@ -176,7 +179,7 @@ def test_package_quantize_is_mx_quantize_off_hopper(monkeypatch):
   same(jax.jit(lambda a: jax_fa4.quantize(a, 1))(x))
   assert traced
   same(jax.vmap(lambda a: jax_fa4.quantize(a, 0))(x))
-  xf = x.astype(jnp.float32)
+  xf = jax.device_put(x.astype(jnp.float32), cpu)
   loss = lambda q: (lambda a: jnp.sum(q(a, 1).dequantize() * jnp.cos(a)))
   np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss(jax_fa4.quantize)))(xf)),
                                 np.asarray(jax.jit(jax.grad(loss(mx.quantize)))(xf)))
