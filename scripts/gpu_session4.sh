@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# NOTE: the loop variants 1/3 for the exact path, bit 2 in the sequential loop and JAX_FA4_SM90_PERSISTENT
+# belong to the kernel of commits 53fb31e..34f6462, reverted in 8829a8f (docs/HOPPER_FORWARD.md, "Loop
+# variants and a persistent scheduler"); against the kernel in this tree they select nothing new.
 # One device call (<= 600 s): build; the forward's loop variants (bit-identity + timings); the GPU
 # tests of the forward, API, MX quantizer and backward; the quick forward and forward+backward
 # benchmarks; racecheck on tiny shapes with ping-pong and a 2-CTA persistent grid. Every test and

@@ -1,4 +1,8 @@
-"""GPU probe of the forward kernel's consumer-loop variants (env JAX_FA4_SM90_PIPELINE, read per launch).
+"""NOTE: the loop variants 1/3 for the exact path, bit 2 in the sequential loop and JAX_FA4_SM90_PERSISTENT
+belong to the kernel of commits 53fb31e..34f6462, reverted in 8829a8f (docs/HOPPER_FORWARD.md, "Loop
+variants and a persistent scheduler"); against the kernel in this tree they select nothing new.
+
+GPU probe of the forward kernel's consumer-loop variants (env JAX_FA4_SM90_PIPELINE, read per launch).
 
   0  the sequential loop (each consumer: Q K^T, wait, softmax, P V, wait, O update)
   2  the sequential loop with ping-pong of the two consumer warpgroups on named barriers
