@@ -151,12 +151,17 @@ def quantize(x: jax.Array, axis: int = -1) -> MXArray:
   ``e4m3(clamp(x * 2**(127 - scale_byte), -448, 448))`` with round-to-nearest-even.
   A block axis that is not a multiple of 32 is zero-padded for the scale only.
   """
+  return _quantize(*_quantize_args(x, axis))
+
+
+def _quantize_args(x, axis: int) -> tuple[jax.Array, int]:
+  """(x as an array, the block axis normalised), or raises naming the bad argument."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"x.dtype={x.dtype} must be a floating dtype to quantize")
   if x.ndim == 0:
     raise ValueError(f"x.shape={x.shape} must have at least one axis to block along")
-  return _quantize(x, _normalize_axis(axis, x.ndim))
+  return x, _normalize_axis(axis, x.ndim)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -178,16 +183,9 @@ def _quantize(x: jax.Array, axis: int) -> MXArray:
   return MXArray(data=data, scale=e8m0_from_bytes(byte), axis=axis)
 
 
-# The float dtypes the CUDA quantizer takes (jax_fa4._cuda_ops.FLOAT_DTYPES).
-_CUDA_QUANTIZE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
 def _cuda_quantizer_available() -> bool:
   """True where the jax_fa4 CUDA extension is built and jax's default backend is a Hopper GPU."""
-  try:
-    from jax_fa4 import _cuda_ops  # imported lazily: _cuda_ops imports this module
-  except ImportError:
-    return False
+  from jax_fa4 import _cuda_ops  # imported lazily: _cuda_ops imports this module (not the extension)
   return _cuda_ops.available()
 
 
@@ -206,13 +204,10 @@ def quantize_auto(x: jax.Array, axis: int = -1) -> MXArray:
   its operand. The library's own quantizations (``dot_product_attention``) therefore keep using
   :func:`quantize`, which XLA fuses and partitions.
   """
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x.dtype={x.dtype} must be a floating dtype to quantize")
-  if x.ndim == 0:
-    raise ValueError(f"x.shape={x.shape} must have at least one axis to block along")
-  axis = _normalize_axis(axis, x.ndim)
-  if x.dtype not in _CUDA_QUANTIZE_DTYPES or x.size == 0 or not _cuda_quantizer_available():
+  x, axis = _quantize_args(x, axis)
+  from jax_fa4 import _cuda_ops  # imported lazily: _cuda_ops imports this module
+  if x.dtype not in [jnp.dtype(d) for d in _cuda_ops.FLOAT_DTYPES] or x.size == 0 \
+      or not _cuda_quantizer_available():
     return _quantize(x, axis)
   return _quantize_dispatch(x, axis)
 
