@@ -2,6 +2,7 @@
 // head dim, and launches one CTA per (128-row query tile, query head, batch).
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cstdint>
 #include <cstdlib>
 #include "cuda/fwd_sm90_mainloop.cuh"
 #include "cuda/launch.h"
@@ -42,8 +43,26 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact>>(Cfg::kSmemBytes); e != cudaSuccess)
     return e;
   p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
-  dim3 grid(p.num_m_blocks, a.N, a.B);
-  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  const int64_t num_work = (int64_t)p.num_m_blocks * a.N * a.B;
+  if (num_work > INT32_MAX) return cudaErrorInvalidValue;  // the scheduler's work index is an int
+  p.num_work = (int)num_work;
+  // Scheduler sections: as many (head, batch) pairs as keep their K and V within ~1/3 of L2 (the
+  // CTAs running together read them; the rest of L2 serves Q, O and the other sections' tails).
+  int l2_bytes = 0, sms = 0, dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+  const int64_t kv_pair_bytes = (int64_t)a.S_pad * H * (Cfg::kRowBytesQK / H + 1);
+  const int64_t section = (l2_bytes / 3) / (kv_pair_bytes > 0 ? kv_pair_bytes : 1);
+  p.sched_section = (int)(section < 1 ? 1 : section > (int64_t)a.N * a.B ? (int64_t)a.N * a.B : section);
+  // Persistent grid: one CTA per SM, each looping over work tiles (the next tile's Q and K/V loads
+  // overlap this one's tail). JAX_FA4_SM90_PERSISTENT (read per launch, for measurement and tests):
+  // 0 = one CTA per work tile; k >= 2 = at most k CTAs (many tiles per CTA even on small shapes).
+  const char* pe = std::getenv("JAX_FA4_SM90_PERSISTENT");
+  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 1;
+  const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
+  const int64_t grid = num_work < cap ? num_work : cap;
+  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<(unsigned)grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
 
@@ -51,7 +70,6 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
 
 cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   if (a.Kh <= 0 || a.N % a.Kh != 0 || a.S_pad % kSeqPad != 0 || a.S_pad < a.S) return cudaErrorInvalidValue;
-  if (a.N > 65535 || a.B > 65535) return cudaErrorInvalidValue;  // grid y / z limits
   if (a.B == 0 || a.T == 0 || a.N == 0) return cudaSuccess;
   if (a.S == 0) return cudaErrorInvalidValue;  // handled in Python (zero-length keys: O = 0)
   FwdParams p{};
@@ -66,16 +84,16 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
   const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
-  // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |4 single-level O (mainloop).
+  // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |16 diagnostic (mainloop).
   p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
-  if (p.pipelined & 6) p.pipelined |= 1;
-  const bool pipe = (p.pipelined & 1) != 0;  // experimental variants: FP8 scores, H <= 128 only
+  if (p.pipelined & 16) p.pipelined |= 1;
+  const bool pipe = (p.pipelined & 1) != 0;  // the overlapped loop: H <= 128 only (registers)
+  // (bit 2, ping-pong, also applies to the sequential loop, so H = 256 honours it)
   if (a.exact_scores) {
     p.qk_promote = 0;
-    p.pipelined = 0;
     switch (a.H) {
-      case 64: return launch_h<64, false, true>(a, p, stream);
-      case 128: return launch_h<128, false, true>(a, p, stream);
+      case 64: return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
+      case 128: return pipe ? launch_h<128, true, true>(a, p, stream) : launch_h<128, false, true>(a, p, stream);
       case 256: return launch_h<256, false, true>(a, p, stream);
       default: return cudaErrorInvalidValue;
     }

@@ -19,6 +19,7 @@
 #include <cmath>
 #include "cuda/fwd_sm90_epilogue.cuh"
 #include "cuda/fwd_sm90_params.cuh"
+#include "cuda/fwd_sm90_scheduler.cuh"
 #include "cuda/fwd_sm90_softmax.cuh"
 #include "cuda/mask.cuh"
 #include "cuda/sm90_ptx.cuh"
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
   using Cfg = TileConfig<H, kExact ? 2 : 1>;
-  static_assert(!(kPipe && kExact), "the experimental overlapped loop exists for FP8 scores only");
+  static_assert(!kPipe || H <= 128, "the overlapped loop's registers (O, tile O, S, P) fit at H <= 128 only");
   constexpr int BM = kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages;
   constexpr int SWQK = Cfg::kSwQK, SWV = Cfg::kSwV;
 
@@ -50,21 +51,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* bar_k = bars + 1;            // K tile + key scales landed
   uint64_t* bar_v = bars + 1 + ST;       // V^T tile landed
   uint64_t* bar_empty = bars + 1 + 2 * ST;  // both consumers done with the stage (every consumer thread arrives)
-
-  // Heaviest query tiles first under causal masks (their key ranges are the longest).
-  const int m_block = p.num_m_blocks - 1 - blockIdx.x;
-  const int m0 = m_block * BM;
-  const int n_head = blockIdx.y;
-  const int b = blockIdx.z;
-  const int kh = n_head / p.group;
-  const int q_len = min(max(p.q_len[b], 0), p.T);
-  const int kv_len = min(max(p.kv_len[b], 0), p.S);
-  int n_lo, n_hi;
-  tile_range<BM, BN>(m0, q_len, kv_len, p.mask, n_lo, n_hi);
-  const int n_tiles = n_hi - n_lo;
+  uint64_t* bar_q_empty = bars + 1 + 3 * ST;  // both consumers done with Q (its last Q K^T completed)
+  // One 16-byte slot per consumer thread (Cfg::kSlotBytes): the current work tile's first query row,
+  // key length, first key tile and work index. The loop reads them back from shared memory when it
+  // needs them (boundary masks, the epilogue) instead of holding 4 registers: decoded by divisions,
+  // the compiler cannot recompute them, and the overlapped loop at H = 128 (O, tile O, S and P fill
+  // 208 of its 240 registers) spilled O registers on every key tile when they stayed live.
+  int4* slots = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(bars) + 256);
+  using Sched = FwdTileScheduler<BN>;
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
+    mbar_init(bar_q_empty, kNumConsumerWG * kWarpgroupThreads);
     for (int s = 0; s < ST; ++s) {
       mbar_init(&bar_k[s], 1);
       mbar_init(&bar_v[s], 1);
@@ -77,28 +75,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (wg == static_cast<int>(WarpRole::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
+    if (threadIdx.x == 0) {
       tma_prefetch_desc(&tm_q);
       tma_prefetch_desc(&tm_k);
       tma_prefetch_desc(&tm_v);
-      mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
-#pragma unroll
-      for (int c = 0; c < Cfg::kChunksQK; ++c)
-        tma_load_4d(sQ + c * BM * SWQK, &tm_q, bar_q, c * SWQK, m0, n_head, b);
-      const float* ks_row = kExact ? nullptr : p.ks + ((int64_t)b * p.Kh + kh) * p.S_pad;
-      for (int it = 0; it < n_tiles; ++it) {
-        const int s = it % ST;
-        const uint32_t phase = (it / ST) & 1;
-        if (it >= ST) mbar_wait(&bar_empty[s], phase ^ 1);
-        const int n = n_lo + it;
-        // Exact scores have no key scales: the stage is the K tile alone.
-        mbar_arrive_expect_tx(&bar_k[s], Cfg::kKBytes + (kExact ? 0 : BN * 4));
+      // The stage ring runs on across work tiles: g counts the key tiles this CTA has loaded.
+      int g = 0, q_loads = 0;
+      for (int wi = blockIdx.x; wi < Sched::num_work(p); wi += gridDim.x) {
+        const WorkTile w = Sched::get(p, wi);
+        if (w.n_tiles == 0) continue;  // the consumers write zeros without waiting for loads
+        // Q is single-buffered: wait until both consumers finished the previous tile's last Q K^T.
+        if (q_loads > 0) mbar_wait(bar_q_empty, (q_loads - 1) & 1);
+        ++q_loads;
+        mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
         for (int c = 0; c < Cfg::kChunksQK; ++c)
-          tma_load_4d(sK + s * Cfg::kKBytes + c * BN * SWQK, &tm_k, &bar_k[s], c * SWQK, n * BN, kh, b);
-        if constexpr (!kExact) bulk_load(sKs + s * BN, ks_row + n * BN, BN * 4, &bar_k[s]);
-        mbar_arrive_expect_tx(&bar_v[s], Cfg::kVBytes);
-        tma_load_4d(sV + s * Cfg::kVBytes, &tm_v, &bar_v[s], n * BN, 0, kh, b);
+          tma_load_4d(sQ + c * BM * SWQK, &tm_q, bar_q, c * SWQK, w.m0, w.n_head, w.b);
+        const float* ks_row = kExact ? nullptr : p.ks + ((int64_t)w.b * p.Kh + w.kh) * p.S_pad;
+        for (int it = 0; it < w.n_tiles; ++it, ++g) {
+          const int s = g % ST;
+          const uint32_t phase = (g / ST) & 1;
+          if (g >= ST) mbar_wait(&bar_empty[s], phase ^ 1);
+          const int n = w.n_lo + it;
+          // Exact scores have no key scales: the stage is the K tile alone.
+          mbar_arrive_expect_tx(&bar_k[s], Cfg::kKBytes + (kExact ? 0 : BN * 4));
+#pragma unroll
+          for (int c = 0; c < Cfg::kChunksQK; ++c)
+            tma_load_4d(sK + s * Cfg::kKBytes + c * BN * SWQK, &tm_k, &bar_k[s], c * SWQK, n * BN, w.kh, w.b);
+          if constexpr (!kExact) bulk_load(sKs + s * BN, ks_row + n * BN, BN * 4, &bar_k[s]);
+          mbar_arrive_expect_tx(&bar_v[s], Cfg::kVBytes);
+          tma_load_4d(sV + s * Cfg::kVBytes, &tm_v, &bar_v[s], n * BN, 0, w.kh, w.b);
+        }
       }
     }
   } else {
@@ -107,14 +114,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int t = threadIdx.x % kWarpgroupThreads;
     const int warp = t / 32, lane = t % 32;
     const int gid = lane / 4, tq = lane % 4;
-    int rows[2];
-    rows[0] = m0 + cw * 64 + warp * 16 + gid;
-    rows[1] = rows[0] + 8;
+    volatile int* slot = reinterpret_cast<volatile int*>(slots + (threadIdx.x - kWarpgroupThreads));
+    const int row_in_tile = cw * 64 + warp * 16 + gid;  // this thread's rows: m0 + row_in_tile (+ 8)
+    int g = 0, q_loads = 0;  // key tiles consumed and Q tiles used so far (the producer's counters)
+    for (int wi = blockIdx.x; wi < Sched::num_work(p); wi += gridDim.x) {
+    int n_tiles;
+    {
+      const WorkTile w = Sched::get(p, wi);
+      slot[0] = w.m0;
+      slot[1] = w.kv_len;
+      slot[2] = w.n_lo;
+      slot[3] = wi;
+      n_tiles = w.n_tiles;
+    }
+    // -inf where the mask removes a score of key tile n (boundary tiles only).
+    auto mask_boundary = [&](float* s_, int n) {
+      const int m0 = slot[0], kv_len = slot[1];
+      if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) {
+        const int rws[2] = {m0 + row_in_tile, m0 + row_in_tile + 8};
+        mask_tile<BN>(s_, rws, n, kv_len, p.mask, tq);
+      }
+    };
+    // Stage and phase of this tile's key tile it in the CTA's ring.
+    auto stage_of = [&](int it) { return (g + it) % ST; };
+    auto phase_of = [&](int it) { return (uint32_t)(((g + it) / ST) & 1); };
+    // Both consumers arrive once their last Q K^T of the tile has completed, so the producer can
+    // load the next tile's Q while they finish P V and the epilogue.
+    auto release_q = [&]() { mbar_arrive(bar_q_empty); };
     float rfv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float q_scale = 1.f;  // exact scores: the bf16 values carry their own scale
-      if constexpr (!kExact) q_scale = rows[r] < p.T ? p.qs[((int64_t)b * p.N + n_head) * p.T + rows[r]] : 1.f;
+      if constexpr (!kExact) {
+        const WorkTile w = Sched::get(p, slot[3]);
+        const int row = w.m0 + row_in_tile + 8 * r;
+        q_scale = row < p.T ? p.qs[((int64_t)w.b * p.N + w.n_head) * p.T + row] : 1.f;
+      }
       float rf = q_scale * p.scale_log2;
       // A row on the smallest scale (2^-127) must not flush rf to zero: -inf * 0 would be NaN.
       rfv[r] = rf < 1.17549435e-38f ? 1.17549435e-38f : rf;  // (NaN stays NaN)
@@ -125,53 +160,77 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < H / 2; ++i) o[i] = 0.f;
 
-    if (n_tiles > 0) mbar_wait(bar_q, 0);
+    if (n_tiles > 0) mbar_wait(bar_q, q_loads & 1);
     const uint32_t q_base = smem_u32(sQ) + cw * 64 * SWQK;
     bool use_pipeline = false;
     if constexpr (kPipe && H <= 128) use_pipeline = n_tiles > 0;
+    // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = the overlapped loop (kPipe); 2 = ping-pong the two
+    // consumers with named barriers (FA3: one warpgroup issues its GEMMs while the other runs its
+    // softmax), in either loop. Only switches that touch no wgmma accumulator may be run-time values:
+    // a run-time choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize
+    // every wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
+    const bool pingpong = (p.pipelined & 2) != 0 && n_tiles > 0;
+    // Ping-pong: consumer c issues a GEMM block only after the other consumer's bar.arrive on
+    // barrier 1 + c (256 = this warpgroup's 128 syncing threads + the other's 128 arriving).
+    // Overlapped loop: blocks {S(0)}, {S(j), PV(j-1)} for j = 1..n-1, {PV(n-1)}: n+1 per consumer.
+    // Sequential loop: blocks {S(j)}, {PV(j)}: 2n per consumer. Consumer 1 opens with one arrive for
+    // consumer 0 and skips its last one, so every sync is matched within the work tile.
+    // (Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.)
+    auto pp_sync = [&]() {
+      if (!pingpong) return;
+      if (cw == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
+      else asm volatile("bar.sync 2, 256;" ::: "memory");
+    };
+    auto pp_arrive = [&](bool last) {
+      if (!pingpong) return;
+      if (cw == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
+      else if (!last) asm volatile("bar.arrive 1, 256;" ::: "memory");
+    };
+    if (pingpong && cw == 1) asm volatile("bar.arrive 1, 256;" ::: "memory");
     if constexpr (kPipe && H <= 128) {
       if (use_pipeline) {
-        // Intra-warpgroup overlap (FA3): while the tensor cores run this tile's Q K^T and the
-        // previous tile's P V, the warpgroup does the previous... (see the order below):
-        //   issue S(it) = Q K(it)^T; issue T = P(it-1) V(it-1); wait S; softmax(it) on the CUDA
-        //   cores while T is still in flight; wait T; O = O * alpha(it-1) + T; release stage it-1;
-        //   pack P(it). Same arithmetic, same order as the sequential loop: bit-identical output.
-        // H = 256 keeps the sequential loop (its tile accumulator does not fit beside S).
+        // Intra-warpgroup overlap (FA3): the softmax of tile it runs on the CUDA cores while the
+        // tensor cores still run the previous tile's P V:
+        //   issue S(it) = Q K(it)^T; issue T = P(it-1) V(it-1); wait S; softmax(it) while T is in
+        //   flight; wait T; O = O * alpha(it-1) + T; release stage it-1; pack P(it).
+        // Same arithmetic, same order as the sequential loop: bit-identical output.
+        // Registers at the peak: O, T (H/2 each), S (BN/2), P (BN/8): 208 at H = 128, so H = 256
+        // keeps the sequential loop.
         float sc[BN / 2];
         uint32_t pa[BN / 32][4];
         float a_prev0 = 1.f, a_prev1 = 1.f;
+        // Diagnostic bit 16 (timing only, WRONG results): no exp2 in the softmax (P = the exp2
+        // argument); leaving the MUFU work out and timing the rest says what the exp2 costs.
+        const bool diag_no_exp = (p.pipelined & 16) != 0;
         auto issue_qk = [&](int stage) {
           const uint32_t k_base = smem_u32(sK + stage * Cfg::kKBytes);
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
           wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < H / 32; ++kk) {
+          for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
             const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
             const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
             const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
-            Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
+            if constexpr (kExact) Wgmma<BN>::ss_bf16(sc, da, db, kk > 0 ? 1 : 0);
+            else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
         auto softmax_tile = [&](int stage, int n, float& a0, float& a1) {
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
-          scale_by_keys<BN>(sc, sKs + stage * BN, tq);
-          if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) mask_tile<BN>(sc, rows, n, kv_len, p.mask, tq);
-          sm.step(sc, a0, a1);
+          if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + stage * BN, tq);
+          mask_boundary(sc, n);
+          if (diag_no_exp) sm.template step<true>(sc, a0, a1);
+          else sm.step(sc, a0, a1);
         };
-        // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = this overlapped loop; 2 = also ping-pong the two
-        // consumers with named barriers (FA3: one warpgroup issues its GEMMs while the other runs
-        // softmax); 4 = accumulate P V straight into O (single-level, no tile accumulator: 64 fewer
-        // live registers, no spills, but the fp8 accumulator drift of the first version).
-        const bool pingpong = (p.pipelined & 2) != 0;
-        const bool direct_o = (p.pipelined & 4) != 0;
         float ot[H / 2];
-        auto issue_pv = [&](int stage, float* acc, bool accumulate) {
+        // P(j) V(j) into the tile accumulator ot (two-level: finish_pv adds it to O in fp32).
+        auto issue_pv = [&](int stage) {
           const uint32_t v_base = smem_u32(sV + stage * Cfg::kVBytes);
 #pragma unroll
-          for (int i = 0; i < H / 2; ++i) reg_fence(acc[i]);
+          for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
           for (int kk = 0; kk < BN / 32; ++kk)
 #pragma unroll
@@ -180,32 +239,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int kk = 0; kk < BN / 32; ++kk) {
             const uint64_t dv = make_desc<SWV>(v_base + kk * 32);
-            Wgmma<H>::rs(acc, pa[kk], dv, (accumulate || kk > 0) ? 1 : 0);
+            Wgmma<H>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
-        // P(j) V(j) for the tile whose rescale factor is (a0, a1): into the tile accumulator (two-level)
-        // or, with direct_o, into O after rescaling it first.
-        auto start_pv = [&](int stage, float a0, float a1) {
-          if (direct_o) {
-#pragma unroll
-            for (int j = 0; j < H / 8; ++j) {
-              o[j * 4 + 0] *= a0;
-              o[j * 4 + 1] *= a0;
-              o[j * 4 + 2] *= a1;
-              o[j * 4 + 3] *= a1;
-            }
-            issue_pv(stage, o, true);
-          } else {
-            issue_pv(stage, ot, false);
-          }
-        };
         auto finish_pv = [&](float a0, float a1) {
-          if (direct_o) {
-#pragma unroll
-            for (int i = 0; i < H / 2; ++i) reg_fence(o[i]);
-            return;
-          }
 #pragma unroll
           for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
@@ -216,42 +254,27 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[j * 4 + 3] = fmaf(o[j * 4 + 3], a1, ot[j * 4 + 3]);
           }
         };
-        // Ping-pong: consumer c issues a GEMM block only after the other consumer's bar.arrive on
-        // barrier 1 + c (256 = this warpgroup's 128 syncing threads + the other's 128 arriving).
-        // Blocks: {S(0)}, {S(j), PV(j-1)} for j = 1..n-1, {PV(n-1)}: n+1 per consumer. Consumer 1
-        // opens with one arrive for consumer 0 and skips its last one, so every sync is matched.
-        // (Immediate barrier ids: a register id makes ptxas reserve all 16 named barriers.)
-        auto pp_sync = [&]() {
-          if (!pingpong) return;
-          if (cw == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
-          else asm volatile("bar.sync 2, 256;" ::: "memory");
-        };
-        auto pp_arrive = [&](bool last) {
-          if (!pingpong) return;
-          if (cw == 0) asm volatile("bar.arrive 2, 256;" ::: "memory");
-          else if (!last) asm volatile("bar.arrive 1, 256;" ::: "memory");
-        };
-        if (pingpong && cw == 1) asm volatile("bar.arrive 1, 256;" ::: "memory");
         // Prologue: tile 0.
-        mbar_wait(&bar_k[0], 0);
+        mbar_wait(&bar_k[stage_of(0)], phase_of(0));
         pp_sync();
-        issue_qk(0);
+        issue_qk(stage_of(0));
         pp_arrive(false);
         wgmma_wait<0>();
-        softmax_tile(0, n_lo, a_prev0, a_prev1);
+        if (n_tiles == 1) release_q();
+        softmax_tile(stage_of(0), slot[2], a_prev0, a_prev1);
         pack_p<BN>(sc, pa);
         for (int it = 1; it < n_tiles; ++it) {
-          const int s = it % ST, sp = (it - 1) % ST;
-          const uint32_t phase = (it / ST) & 1, phase_p = ((it - 1) / ST) & 1;
-          mbar_wait(&bar_k[s], phase);
-          mbar_wait(&bar_v[sp], phase_p);
+          const int s = stage_of(it), sp = stage_of(it - 1);
+          mbar_wait(&bar_k[s], phase_of(it));
+          mbar_wait(&bar_v[sp], phase_of(it - 1));
           pp_sync();
           issue_qk(s);
-          start_pv(sp, a_prev0, a_prev1);
+          issue_pv(sp);
           pp_arrive(false);
           wgmma_wait<1>();  // S(it) done; PV(it-1) may still run
+          if (it == n_tiles - 1) release_q();
           float a0, a1;
-          softmax_tile(s, n_lo + it, a0, a1);
+          softmax_tile(s, slot[2] + it, a0, a1);
           wgmma_wait<0>();
           finish_pv(a_prev0, a_prev1);
           mbar_arrive(&bar_empty[sp]);
@@ -260,10 +283,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           a_prev1 = a1;
         }
         {  // Epilogue of the loop: the last tile's P V.
-          const int sp = (n_tiles - 1) % ST;
-          mbar_wait(&bar_v[sp], ((n_tiles - 1) / ST) & 1);
+          const int sp = stage_of(n_tiles - 1);
+          mbar_wait(&bar_v[sp], phase_of(n_tiles - 1));
           pp_sync();
-          start_pv(sp, a_prev0, a_prev1);
+          issue_pv(sp);
           pp_arrive(true);
           wgmma_wait<0>();
           finish_pv(a_prev0, a_prev1);
@@ -272,15 +295,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     for (int it = 0; it < (use_pipeline ? 0 : n_tiles); ++it) {
-      const int s = it % ST;
-      const uint32_t phase = (it / ST) & 1;
-      const int n = n_lo + it;
+      const int s = stage_of(it);
+      const uint32_t phase = phase_of(it);
+      const int n = slot[2] + it;
       float sc[BN / 2];
       mbar_wait(&bar_k[s], phase);
       const uint32_t k_base = smem_u32(sK + s * Cfg::kKBytes);
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
       if (kExact || !p.qk_promote) {
+        pp_sync();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
@@ -291,8 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        pp_arrive(false);
         wgmma_wait<0>();
       } else {
+        pp_sync();  // (the promoted Q K^T counts as one block)
         // Experimental (JAX_FA4_SM90_QK_PROMOTE=1): every 32-wide k-step into a fresh accumulator,
         // summed in fp32 on the CUDA cores, to measure how much of the score error comes from the
         // fp8 wgmma accumulator across k-steps (DeepSeek-V3's promotion, at interval 32).
@@ -316,14 +342,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < BN / 2; ++i) sc[i] += st[i];
           }
         }
+        pp_arrive(false);
       }
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
+      if (it == n_tiles - 1) release_q();
 
       // FP8 scores: per-key scale of K (one FMUL per element: a per-tile scale would push small keys
       // of a tile with an outlier key into e4m3's subnormals). Then the mask on boundary tiles only.
       if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + s * BN, tq);
-      if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) mask_tile<BN>(sc, rows, n, kv_len, p.mask, tq);
+      mask_boundary(sc, n);
       float alpha0, alpha1;
       sm.step(sc, alpha0, alpha1);
       uint32_t pa[BN / 32][4];
@@ -338,6 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // H = 256 does it in two N = 128 halves so the tile accumulator fits the register budget.
       constexpr int NSPLIT = (H == 256) ? 2 : 1;
       constexpr int HN = H / NSPLIT;
+      pp_sync();  // the P V block: both halves at H = 256
 #pragma unroll
       for (int h = 0; h < NSPLIT; ++h) {
         float ot[HN / 2];
@@ -350,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Wgmma<HN>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        if (h == NSPLIT - 1) pp_arrive(it == n_tiles - 1);
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
@@ -365,7 +395,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(&bar_empty[s]);  // per thread: an arrive releases only its own reads
     }
     sm.finish();
-    epilogue<H, BN>(p, o, sm.m, sm.l, sm.rf, rows, b, n_head, kh, q_len, tq);
+    {
+      const WorkTile we = Sched::get(p, slot[3]);
+      const int rws[2] = {we.m0 + row_in_tile, we.m0 + row_in_tile + 8};
+      epilogue<H, BN>(p, o, sm.m, sm.l, sm.rf, rws, we.b, we.n_head, we.kh, we.q_len, tq);
+    }
+    if (n_tiles > 0) {
+      g += n_tiles;
+      ++q_loads;
+    }
+    }  // work tiles
   }
 }
 

@@ -12,6 +12,8 @@ struct FwdParams {
   int S_pad;              // S rounded up to kSeqPad: the row length of V^T and of the key scales
   int group;              // N / Kh (GQA): query head n reads kv head n / group
   int num_m_blocks;
+  int num_work;           // num_m_blocks * N * B work tiles
+  int sched_section;      // (head, batch) pairs per scheduler section (fwd_sm90_scheduler.cuh)
   const float* qs;        // [B, N, T]  per-row power-of-two scale of the requantised Q
   const float* ks;        // [B, Kh, S_pad] per-key power-of-two scale of the requantised K (0 past S)
   const float* vs;        // [B, Kh, H] per-column scale of V^T over the whole sequence
@@ -22,8 +24,8 @@ struct FwdParams {
   OutDtype out_dtype;
   float scale_log2;       // softmax scale * log2(e)
   MaskParams mask;
-  int qk_promote;
-  int pipelined;          // variant bits (env JAX_FA4_SM90_PIPELINE; H <= 128): 1 overlap, 2 ping-pong, 4 single-level O         // experiment: 1 = sum QK^T k-steps in fp32 (env JAX_FA4_SM90_QK_PROMOTE=1)
+  int qk_promote;         // experiment: 1 = sum QK^T k-steps in fp32 (env JAX_FA4_SM90_QK_PROMOTE=1)
+  int pipelined;          // loop variant bits (H <= 128): 1 overlap, 2 ping-pong, 16 diagnostic (no exp2)
 };
 
 }  // namespace jax_fa4::sm90

@@ -64,6 +64,9 @@ struct RowSoftmax {
   }
 
   // Updates m and l from the tile s (in place: s becomes P*256), returns the O rescale factors.
+  // kDiagNoExp (timing diagnostics only, wrong results): the exp2 argument stands in for P, so the
+  // loop runs without its MUFU work.
+  template <bool kDiagNoExp = false>
   __device__ __forceinline__ void step(float* s, float& alpha0, float& alpha1) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -101,7 +104,8 @@ struct RowSoftmax {
         // exp2 of x*rf - m*rf, then * 256 (exact). Folding the 256 into the exponent as "+ 8"
         // would round the argument at ulp(8) = 2^-20: P off by up to 3e-7 near the row max,
         // which was the lse error of short flat rows on an H200 (4.2e-8 vs the recipe's 3.4e-8).
-        float p = exp2_approx(fmaf(s[j * 4 + e], rf[r], bias[r])) * 256.f;
+        const float x = fmaf(s[j * 4 + e], rf[r], bias[r]);
+        float p = kDiagNoExp ? x : exp2_approx(x) * 256.f;
         s[j * 4 + e] = p;
         if (j < kPart && (e & 1) == 0) part[r][j] = p;
         else part[r][j % kPart] += p;

@@ -51,8 +51,10 @@ template <int H, int kQKBytes = 1> struct TileConfig {
   static constexpr int kQBytes = kBlockM * kRowBytesQK;
   static constexpr int kKBytes = kBlockN * kRowBytesQK;
   static constexpr int kVBytes = H * kBlockN;
-  static constexpr int kSmemBytes =
-      1024 /*alignment slack*/ + kQBytes + kStages * (kKBytes + kVBytes) + kStages * kBlockN * 4 + 256 /*barriers*/;
+  // Per consumer thread, 16 bytes for its work tile's coordinates (fwd_sm90_mainloop.cuh says why).
+  static constexpr int kSlotBytes = kNumConsumerWG * kWarpgroupThreads * 16;
+  static constexpr int kSmemBytes = 1024 /*alignment slack*/ + kQBytes + kStages * (kKBytes + kVBytes) +
+                                    kStages * kBlockN * 4 + 256 /*barriers*/ + kSlotBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM exceeded");
   static_assert(kBlockN % 32 == 0, "wgmma fp8 consumes 32 keys per instruction");
   static_assert(kRowBytesQK % 32 == 0, "a Q K^T wgmma k-step consumes 32 bytes of each row");
