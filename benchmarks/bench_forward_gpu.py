@@ -14,7 +14,7 @@ Pallas Mosaic-GPU attention (fp16):
 FLOPs = 4*B*T*S*N*H, halved for causal. Also times the preparation kernels against an elementwise
 device-to-device pass over the same number of bytes.
 
-  python benchmarks/bench_forward_gpu.py OUT.json [--quick]
+  python benchmarks/bench_forward_gpu.py OUT.json [--quick | --heads 64,128,256] [--no-prep]
 """
 from __future__ import annotations
 
@@ -231,6 +231,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("out", help="JSON output path (a PNG is written beside it if matplotlib is there)")
   ap.add_argument("--quick", action="store_true", help="only B=2, T=S=8192, N=16, H=128")
+  ap.add_argument("--heads", default="64,128,256", help="head dims of the full table (comma-separated)")
+  ap.add_argument("--no-prep", action="store_true", help="skip the preparation-kernel bandwidth table")
   args = ap.parse_args(argv)
   if not co.available():
     print("jax_fa4 CUDA kernels unavailable", file=sys.stderr)
@@ -243,7 +245,8 @@ def main(argv=None):
   if args.quick:
     shapes = [(2, 8192, 8192, 16, 128, c) for c in (False, True)]
   else:
-    shapes = [(16384 // T, T, T, 16, H, c) for H in (64, 128, 256) for c in (False, True)
+    heads = tuple(int(h) for h in args.heads.split(","))
+    shapes = [(16384 // T, T, T, 16, H, c) for H in heads for c in (False, True)
               for T in (1024, 4096, 8192, 16384)]
   for B, T, S, N, H, c in shapes:
     try:
@@ -251,7 +254,8 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
       traceback.print_exc()
   # B=8: each prep call moves ~0.3-0.5 GB, so host dispatch (~20 us a call) does not set the time.
-  bench_prep(8, 8192, 16, 128, meta)
+  if not args.no_prep:
+    bench_prep(8, 8192, 16, 128, meta)
   with open(args.out, "w") as f:
     json.dump(meta, f, indent=1)
   try:

@@ -209,7 +209,7 @@ def quantize_auto(x: jax.Array, axis: int = -1) -> MXArray:
   if x.dtype not in [jnp.dtype(d) for d in _cuda_ops.FLOAT_DTYPES] or x.size == 0 \
       or not _cuda_quantizer_available():
     return _quantize(x, axis)
-  return _quantize_dispatch(x, axis)
+  return _quantize_dispatch_jit(x, axis)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -217,6 +217,13 @@ def _quantize_dispatch(x: jax.Array, axis: int) -> MXArray:
   from jax_fa4 import _cuda_ops
   return jax.lax.platform_dependent(x, cuda=lambda a: _cuda_ops.quantize(a, axis),
                                     default=lambda a: _quantize(a, axis))
+
+
+# Through jit even when called eagerly: platform_dependent then picks its branch when the call is
+# lowered for the platform of x's device. Evaluated eagerly it picks by the default backend, so an
+# array committed to the CPU of a GPU machine ran the CUDA branch there (no such FFI handler on the
+# host; seen on an H100, 2026-12-05).
+_quantize_dispatch_jit = jax.jit(lambda x, axis: _quantize_dispatch(x, axis), static_argnums=1)
 
 
 @_quantize_dispatch.defjvp

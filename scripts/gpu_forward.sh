@@ -86,8 +86,7 @@ from contract import rel_err
 from jax_fa4 import _cuda_ops as co, mx
 # name: (scores, env). "exact" is the default path; the fp8 rows are the opt-in path's variants.
 VARIANTS = {"exact": ("exact", {}), "fp8": ("fp8", {}), "fp8_qk_promote": ("fp8", {"JAX_FA4_SM90_QK_PROMOTE": "1"}),
-            "fp8_pingpong": ("fp8", {"JAX_FA4_SM90_PIPELINE": "3"}),
-            "fp8_pingpong_direct": ("fp8", {"JAX_FA4_SM90_PIPELINE": "7"})}
+            "fp8_pingpong": ("fp8", {"JAX_FA4_SM90_PIPELINE": "3"})}
 def set_env(env):
   for var in ("JAX_FA4_SM90_QK_PROMOTE", "JAX_FA4_SM90_PIPELINE"):
     os.environ[var] = env.get(var, "0")
@@ -161,7 +160,8 @@ if has bench; then
 fi
 if has fullbench; then
   log "full benchmark"
-  timeout 580 $PY benchmarks/bench_forward_gpu.py "$OUT/bench_full.json" 2>&1 | tee "$OUT/bench_full.log"
+  timeout ${FULLBENCH_TIMEOUT:-580} $PY benchmarks/bench_forward_gpu.py "$OUT/bench_full${BENCH_TAG:-}.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench_full${BENCH_TAG:-}.log"
 fi
 
 if has sanitize || has memcheck; then

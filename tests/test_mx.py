@@ -176,6 +176,7 @@ def test_package_quantize_is_mx_quantize_off_hopper(monkeypatch):
 
   monkeypatch.setattr(mx, "_cuda_quantizer_available", lambda: True)
   monkeypatch.setattr(_cuda_ops, "quantize", fake_cuda)
+  same(jax_fa4.quantize(x, 1))  # eager: the branch is still picked for x's device (the CPU)
   same(jax.jit(lambda a: jax_fa4.quantize(a, 1))(x))
   assert traced
   same(jax.vmap(lambda a: jax_fa4.quantize(a, 0))(x))

@@ -8,6 +8,13 @@
 #include "cuda/launch.h"
 #include "cuda/tma_map.h"
 
+#ifdef JAX_FA4_FWD_TRACE
+// Measurement builds: copies the phase timestamps of the last traced launch (module_cuda.cc).
+extern "C" int jax_fa4_fwd_trace(unsigned long long* host) {
+  return (int)cudaMemcpyFromSymbol(host, jax_fa4::sm90::g_fwd_trace, sizeof(jax_fa4::sm90::g_fwd_trace));
+}
+#endif
+
 namespace jax_fa4::cuda {
 namespace {
 
@@ -59,7 +66,10 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   // overlap this one's tail). JAX_FA4_SM90_PERSISTENT (read per launch, for measurement and tests):
   // 0 = one CTA per work tile; k >= 2 = at most k CTAs (many tiles per CTA even on small shapes).
   const char* pe = std::getenv("JAX_FA4_SM90_PERSISTENT");
-  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 1;
+  // Default 0: on an H100 and an H200 (2026-12-05) one CTA per work tile, dispatched by the hardware
+  // in the scheduler's order, was as fast as one CTA per SM without causal masks and 5-15% faster with
+  // them (a static stride over longest-first tiles leaves the SMs unevenly loaded at the end).
+  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 0;
   const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
   const int64_t grid = num_work < cap ? num_work : cap;
   sm90::fwd_sm90_kernel<H, kPipe, kExact><<<(unsigned)grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
@@ -85,9 +95,13 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
   const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
   // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |16 diagnostic (mainloop).
-  p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : 0;
+  // Default: the overlapped loop at H = 64 (7-12% faster than the sequential one on an H100 and an
+  // H200, both score paths), the sequential loop otherwise (overlap and ping-pong were 5-15% slower
+  // at H = 128 and within noise at H = 256: docs/HOPPER_FORWARD.md, "Loop variants").
+  p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : (a.H == 64 ? 1 : 0);
   if (p.pipelined & 16) p.pipelined |= 1;
-  const bool pipe = (p.pipelined & 1) != 0;  // the overlapped loop: H <= 128 only (registers)
+  // The kPipe kernels hold the overlapped loop (H <= 128 only: registers) and the bit-32 measurement.
+  const bool pipe = (p.pipelined & (1 | 32)) != 0;
   // (bit 2, ping-pong, also applies to the sequential loop, so H = 256 honours it)
   if (a.exact_scores) {
     p.qk_promote = 0;

@@ -28,6 +28,19 @@
 
 namespace jax_fa4::sm90 {
 
+// Phase timestamps for measurement builds only (-DJAX_FA4_FWD_TRACE, scripts/trace_fwd.py): thread 0
+// of each consumer warpgroup of CTA kTraceCta writes clock64() at 8 points of each of its first 32
+// key tiles (sequential loop). Normal builds compile none of it.
+#ifdef JAX_FA4_FWD_TRACE
+constexpr int kTraceCta = 300, kTraceTiles = 32, kTracePoints = 8;
+// (defined here: fwd_sm90_launch.cu is the only translation unit that includes this header)
+__device__ unsigned long long g_fwd_trace[kNumConsumerWG][kTraceTiles][kTracePoints];
+#define JAX_FA4_TRACE(it, k) \
+  do { if (trace_on && (it) < kTraceTiles) g_fwd_trace[cw][(it)][(k)] = clock64(); } while (0)
+#else
+#define JAX_FA4_TRACE(it, k) do {} while (0)
+#endif
+
 // kPipe selects the experimental overlapped consumer loop (a separate instantiation, so the default
 // kernel's register allocation does not carry the variants' pressure).
 template <int H, bool kPipe, bool kExact>
@@ -136,8 +149,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     // Stage and phase of this tile's key tile it in the CTA's ring.
-    auto stage_of = [&](int it) { return (g + it) % ST; };
-    auto phase_of = [&](int it) { return (uint32_t)(((g + it) / ST) & 1); };
+    // Stage and phase of the work tile's first key tile (one division per work tile); the loops step
+    // them with `advance` (ST = 3 made every key tile pay a division by 3 in the integer pipe).
+    const int s_first = g % ST;
+    const uint32_t ph_first = (uint32_t)((g / ST) & 1);
+    auto advance = [](int& st, uint32_t& ph) {
+      if (++st == ST) {
+        st = 0;
+        ph ^= 1u;
+      }
+    };
     // Both consumers arrive once their last Q K^T of the tile has completed, so the producer can
     // load the next tile's Q while they finish P V and the epilogue.
     auto release_q = [&]() { mbar_arrive(bar_q_empty); };
@@ -162,6 +183,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (n_tiles > 0) mbar_wait(bar_q, q_loads & 1);
     const uint32_t q_base = smem_u32(sQ) + cw * 64 * SWQK;
+    // Descriptor low halves (sm90_ptx.cuh, desc_lo): stage s of K / V^T is a fixed step away from stage 0.
+    const uint32_t q_lo = desc_lo(q_base);
+    const uint32_t k_lo0 = desc_lo(smem_u32(sK)), v_lo0 = desc_lo(smem_u32(sV));
+    constexpr uint32_t kKStep = Cfg::kKBytes >> 4, kVStep = Cfg::kVBytes >> 4;
     bool use_pipeline = false;
     if constexpr (kPipe && H <= 128) use_pipeline = n_tiles > 0;
     // Variant bits (JAX_FA4_SM90_PIPELINE): 1 = the overlapped loop (kPipe); 2 = ping-pong the two
@@ -170,6 +195,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // a run-time choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize
     // every wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
     const bool pingpong = (p.pipelined & 2) != 0 && n_tiles > 0;
+    // Bit 32 (measurement only, not the contract's numerics): P*256 as exp2(x + 8), no FMUL per
+    // element, to time what that multiply costs the softmax. Compiled into the kPipe kernels only
+    // (the launcher picks them for bit 32), so the default H >= 128 kernels carry no second softmax.
+    const bool fold8 = kPipe && (p.pipelined & 32) != 0;
     // Ping-pong: consumer c issues a GEMM block only after the other consumer's bar.arrive on
     // barrier 1 + c (256 = this warpgroup's 128 syncing threads + the other's 128 arriving).
     // Overlapped loop: blocks {S(0)}, {S(j), PV(j-1)} for j = 1..n-1, {PV(n-1)}: n+1 per consumer.
@@ -203,15 +232,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // argument); leaving the MUFU work out and timing the rest says what the exp2 costs.
         const bool diag_no_exp = (p.pipelined & 16) != 0;
         auto issue_qk = [&](int stage) {
-          const uint32_t k_base = smem_u32(sK + stage * Cfg::kKBytes);
+          const uint32_t k_lo = k_lo0 + stage * kKStep;
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
             const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
-            const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
-            const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
+            const uint64_t da = desc_from_lo<SWQK>(q_lo + ((chunk * BM * SWQK + within) >> 4));
+            const uint64_t db = desc_from_lo<SWQK>(k_lo + ((chunk * BN * SWQK + within) >> 4));
             if constexpr (kExact) Wgmma<BN>::ss_bf16(sc, da, db, kk > 0 ? 1 : 0);
             else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
           }
@@ -223,12 +252,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + stage * BN, tq);
           mask_boundary(sc, n);
           if (diag_no_exp) sm.template step<true>(sc, a0, a1);
+          else if (fold8) sm.template step<false, true>(sc, a0, a1);
           else sm.step(sc, a0, a1);
         };
         float ot[H / 2];
         // P(j) V(j) into the tile accumulator ot (two-level: finish_pv adds it to O in fp32).
         auto issue_pv = [&](int stage) {
-          const uint32_t v_base = smem_u32(sV + stage * Cfg::kVBytes);
+          const uint32_t v_lo = v_lo0 + stage * kVStep;
 #pragma unroll
           for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
@@ -238,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < BN / 32; ++kk) {
-            const uint64_t dv = make_desc<SWV>(v_base + kk * 32);
+            const uint64_t dv = desc_from_lo<SWV>(v_lo + ((kk * 32) >> 4));
             Wgmma<H>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
@@ -254,19 +284,21 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[j * 4 + 3] = fmaf(o[j * 4 + 3], a1, ot[j * 4 + 3]);
           }
         };
-        // Prologue: tile 0.
-        mbar_wait(&bar_k[stage_of(0)], phase_of(0));
+        // Prologue: tile 0. (sp, php): the previous key tile's stage and phase; (s, ph): this one's.
+        int sp = s_first, s = s_first;
+        uint32_t php = ph_first, ph = ph_first;
+        mbar_wait(&bar_k[s], ph);
         pp_sync();
-        issue_qk(stage_of(0));
+        issue_qk(s);
         pp_arrive(false);
         wgmma_wait<0>();
         if (n_tiles == 1) release_q();
-        softmax_tile(stage_of(0), slot[2], a_prev0, a_prev1);
+        softmax_tile(s, slot[2], a_prev0, a_prev1);
         pack_p<BN>(sc, pa);
         for (int it = 1; it < n_tiles; ++it) {
-          const int s = stage_of(it), sp = stage_of(it - 1);
-          mbar_wait(&bar_k[s], phase_of(it));
-          mbar_wait(&bar_v[sp], phase_of(it - 1));
+          advance(s, ph);
+          mbar_wait(&bar_k[s], ph);
+          mbar_wait(&bar_v[sp], php);
           pp_sync();
           issue_qk(s);
           issue_pv(sp);
@@ -281,10 +313,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           pack_p<BN>(sc, pa);
           a_prev0 = a0;
           a_prev1 = a1;
+          advance(sp, php);
         }
-        {  // Epilogue of the loop: the last tile's P V.
-          const int sp = stage_of(n_tiles - 1);
-          mbar_wait(&bar_v[sp], phase_of(n_tiles - 1));
+        {  // Epilogue of the loop: the last tile's P V (sp == s now).
+          mbar_wait(&bar_v[sp], php);
           pp_sync();
           issue_pv(sp);
           pp_arrive(true);
@@ -294,13 +326,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    for (int it = 0; it < (use_pipeline ? 0 : n_tiles); ++it) {
-      const int s = stage_of(it);
-      const uint32_t phase = phase_of(it);
+    int s = s_first;
+    uint32_t phase = ph_first;
+#ifdef JAX_FA4_FWD_TRACE
+    const bool trace_on = t == 0 && blockIdx.x == kTraceCta && wi == (int)blockIdx.x;
+#endif
+    for (int it = 0; it < (use_pipeline ? 0 : n_tiles); ++it, advance(s, phase)) {
       const int n = slot[2] + it;
       float sc[BN / 2];
+      JAX_FA4_TRACE(it, 0);
       mbar_wait(&bar_k[s], phase);
-      const uint32_t k_base = smem_u32(sK + s * Cfg::kKBytes);
+      JAX_FA4_TRACE(it, 1);
+      const uint32_t k_lo = k_lo0 + s * kKStep;
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
       if (kExact || !p.qk_promote) {
@@ -309,14 +346,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < Cfg::kStepsQK; ++kk) {  // 32 bytes of each row per k-step
           const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
-          const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
-          const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
+          const uint64_t da = desc_from_lo<SWQK>(q_lo + ((chunk * BM * SWQK + within) >> 4));
+          const uint64_t db = desc_from_lo<SWQK>(k_lo + ((chunk * BN * SWQK + within) >> 4));
           if constexpr (kExact) Wgmma<BN>::ss_bf16(sc, da, db, kk > 0 ? 1 : 0);
           else Wgmma<BN>::ss(sc, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         pp_arrive(false);
+        JAX_FA4_TRACE(it, 2);
         wgmma_wait<0>();
+        JAX_FA4_TRACE(it, 3);
       } else {
         pp_sync();  // (the promoted Q K^T counts as one block)
         // Experimental (JAX_FA4_SM90_QK_PROMOTE=1): every 32-wide k-step into a fresh accumulator,
@@ -326,8 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < H / 32; ++kk) {
           const int chunk = (kk * 32) / SWQK, within = (kk * 32) % SWQK;
-          const uint64_t da = make_desc<SWQK>(q_base + chunk * BM * SWQK + within);
-          const uint64_t db = make_desc<SWQK>(k_base + chunk * BN * SWQK + within);
+          const uint64_t da = desc_from_lo<SWQK>(q_lo + ((chunk * BM * SWQK + within) >> 4));
+          const uint64_t db = desc_from_lo<SWQK>(k_lo + ((chunk * BN * SWQK + within) >> 4));
           float* dst = kk == 0 ? sc : st;
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) reg_fence(dst[i]);
@@ -353,11 +392,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + s * BN, tq);
       mask_boundary(sc, n);
       float alpha0, alpha1;
-      sm.step(sc, alpha0, alpha1);
+      if (fold8) sm.template step<false, true>(sc, alpha0, alpha1);
+      else sm.step(sc, alpha0, alpha1);
       uint32_t pa[BN / 32][4];
       pack_p<BN>(sc, pa);
+      JAX_FA4_TRACE(it, 4);
       mbar_wait(&bar_v[s], phase);
-      const uint32_t v_base = smem_u32(sV + s * Cfg::kVBytes);
+      JAX_FA4_TRACE(it, 5);
+      const uint32_t v_lo = v_lo0 + s * kVStep;
       // Two-level accumulation: this tile's P V goes to a fresh wgmma accumulator, which is then
       // added in fp32 (fused with the online-softmax rescale: O = O * alpha + tile, one FFMA,
       // the same count as the plain rescale). The fp8 wgmma accumulator keeps far fewer bits
@@ -375,12 +417,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) {
-          const uint64_t dv = make_desc<SWV>(v_base + h * HN * SWV + kk * 32);
+          const uint64_t dv = desc_from_lo<SWV>(v_lo + ((h * HN * SWV + kk * 32) >> 4));
           Wgmma<HN>::rs(ot, pa[kk], dv, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         if (h == NSPLIT - 1) pp_arrive(it == n_tiles - 1);
         wgmma_wait<0>();
+        if (h == NSPLIT - 1) JAX_FA4_TRACE(it, 6);
 #pragma unroll
         for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
@@ -393,6 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       mbar_arrive(&bar_empty[s]);  // per thread: an arrive releases only its own reads
+      JAX_FA4_TRACE(it, 7);
     }
     sm.finish();
     {

@@ -25,7 +25,7 @@ struct FwdParams {
   float scale_log2;       // softmax scale * log2(e)
   MaskParams mask;
   int qk_promote;         // experiment: 1 = sum QK^T k-steps in fp32 (env JAX_FA4_SM90_QK_PROMOTE=1)
-  int pipelined;          // loop variant bits (H <= 128): 1 overlap, 2 ping-pong, 16 diagnostic (no exp2)
+  int pipelined;          // loop variant bits: 1 overlap (H <= 128), 2 ping-pong, 16 diagnostic (no exp2), 32 "+8" fold
 };
 
 }  // namespace jax_fa4::sm90

@@ -65,8 +65,9 @@ struct RowSoftmax {
 
   // Updates m and l from the tile s (in place: s becomes P*256), returns the O rescale factors.
   // kDiagNoExp (timing diagnostics only, wrong results): the exp2 argument stands in for P, so the
-  // loop runs without its MUFU work.
-  template <bool kDiagNoExp = false>
+  // loop runs without its MUFU work. kFold8 (measurement only): the 256 folded into the exp2 argument
+  // as "+ 8" instead of one FMUL per element (see below for why the default does not).
+  template <bool kDiagNoExp = false, bool kFold8 = false>
   __device__ __forceinline__ void step(float* s, float& alpha0, float& alpha1) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
@@ -89,7 +90,7 @@ struct RowSoftmax {
       } else {
         // m[r] = -inf gives exp2(-inf) = 0: O and l are still zero then, any factor is fine.
         alpha[r] = exp2_approx((m[r] - mx[r]) * rf[r]);
-        bias[r] = -mx[r] * rf[r];
+        bias[r] = kFold8 ? fmaf(-mx[r], rf[r], 8.f) : -mx[r] * rf[r];
       }
       m[r] = mx[r];
     }
@@ -105,7 +106,7 @@ struct RowSoftmax {
         // would round the argument at ulp(8) = 2^-20: P off by up to 3e-7 near the row max,
         // which was the lse error of short flat rows on an H200 (4.2e-8 vs the recipe's 3.4e-8).
         const float x = fmaf(s[j * 4 + e], rf[r], bias[r]);
-        float p = kDiagNoExp ? x : exp2_approx(x) * 256.f;
+        float p = kDiagNoExp ? x : kFold8 ? exp2_approx(x) : exp2_approx(x) * 256.f;
         s[j * 4 + e] = p;
         if (j < kPart && (e & 1) == 0) part[r][j] = p;
         else part[r][j % kPart] += p;

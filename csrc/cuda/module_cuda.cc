@@ -17,6 +17,10 @@ XLA_FFI_Error* JaxFa4CudaFwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxFa4CudaBwd(XLA_FFI_CallFrame*);
 }
 
+#ifdef JAX_FA4_FWD_TRACE
+extern "C" int jax_fa4_fwd_trace(unsigned long long* host);  // fwd_sm90_launch.cu
+#endif
+
 namespace {
 template <typename F>
 nb::capsule capsule(F* fn) {
@@ -37,4 +41,15 @@ NB_MODULE(_jax_fa4_cuda, m) {
     d["jax_fa4_cuda_bwd"] = capsule(JaxFa4CudaBwd);
     return d;
   });
+#ifdef JAX_FA4_FWD_TRACE
+  // Measurement builds only: [consumer][tile][point] clock64 values of the traced CTA, flattened.
+  m.def("fwd_trace", []() {
+    static unsigned long long buf[2 * 32 * 8];
+    const int err = jax_fa4_fwd_trace(buf);
+    nb::list out;
+    if (err != 0) return out;
+    for (unsigned long long v : buf) out.append(v);
+    return out;
+  });
+#endif
 }

@@ -1,0 +1,69 @@
+"""Phase timings of the forward kernel's consumer loop, from a measurement build.
+
+Needs the CUDA module built with -DJAX_FA4_FWD_TRACE (CMAKE_CUDA_FLAGS and CMAKE_CXX_FLAGS): thread 0
+of each consumer warpgroup of one CTA (fwd_sm90_mainloop.cuh, kTraceCta) stores clock64() at eight
+points of each of its first 32 key tiles in the sequential loop:
+  0 tile start | 1 K landed | 2 Q K^T issued | 3 Q K^T done | 4 softmax + P packed | 5 V landed |
+  6 P V done | 7 O updated, stage released
+Prints, per consumer and per configuration, the mean cycles of each phase over tiles 4..31 and the
+offset between the two consumers' tile starts (0 = the two warpgroups run in step).
+
+  python scripts/trace_fwd.py
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa4 import _cuda_ops as co
+from jax_fa4 import _jax_fa4_cuda as ext
+from jax_fa4 import mx
+
+PHASES = ("K wait", "QK issue", "QK wait", "softmax", "V wait", "PV", "O update")
+
+
+def trace(scores: str, bits: int, H: int = 128, causal: bool = False) -> np.ndarray:
+  os.environ["JAX_FA4_SM90_PIPELINE"] = str(bits)
+  os.environ["JAX_FA4_SM90_PERSISTENT"] = "0"
+  B, T, N = 2, 8192, 16
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
+  qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+  L = jnp.full((B,), T, jnp.int32)
+  f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
+  for _ in range(3):
+    jax.block_until_ready(f(qm, km, vm))
+  t = np.asarray(ext.fwd_trace(), np.int64).reshape(2, 32, 8)
+  return t
+
+
+def report(name: str, t: np.ndarray) -> None:
+  print(f"== {name}")
+  for wg in range(2):
+    d = np.diff(t[wg], axis=1)[4:]          # phases 0->1 ... 6->7, tiles 4..31
+    tile = np.diff(t[wg, :, 0])[4:]         # tile start to next tile start
+    print(f"  consumer {wg}: tile {tile.mean():7.0f} cyc | " +
+          " | ".join(f"{p} {d[:, i].mean():6.0f}" for i, p in enumerate(PHASES)))
+  off = (t[1, 4:, 0] - t[0, 4:, 0]).astype(np.float64)
+  qk0 = t[0, 4:, 3] - t[0, 4:, 2]
+  print(f"  consumer 1 starts a tile {off.mean():.0f} cyc after consumer 0 (min {off.min():.0f}, max "
+        f"{off.max():.0f}); consumer 0's Q K^T wait {qk0.mean():.0f} cyc")
+  for it in (8, 9):
+    print(f"  tile {it}: " + " ".join(f"c{wg}:" + ",".join(f"{x - t[0, it, 0]:d}" for x in t[wg, it]) for wg in range(2)))
+
+
+def main():
+  if not hasattr(ext, "fwd_trace"):
+    raise SystemExit("the CUDA module is not a trace build (-DJAX_FA4_FWD_TRACE)")
+  print(f"device: {jax.devices()[0].device_kind}")
+  for scores, bits in (("exact", 0), ("exact", 2), ("fp8", 0), ("fp8", 2)):
+    report(f"{scores} scores, JAX_FA4_SM90_PIPELINE={bits}, H=128, B=2 T=S=8192 N=16", trace(scores, bits))
+  report("exact scores, JAX_FA4_SM90_PIPELINE=0, H=256", trace("exact", 0, H=256))
+  report("exact scores, JAX_FA4_SM90_PIPELINE=0 (sequential), H=64", trace("exact", 0, H=64))
+
+
+if __name__ == "__main__":
+  main()
