@@ -219,11 +219,11 @@ def _quantize_dispatch(x: jax.Array, axis: int) -> MXArray:
                                     default=lambda a: _quantize(a, axis))
 
 
-# Through jit even when called eagerly: platform_dependent then picks its branch when the call is
-# lowered for the platform of x's device. Evaluated eagerly it picks by the default backend, so an
-# array committed to the CPU of a GPU machine ran the CUDA branch there (no such FFI handler on the
-# host; seen on an H100, 2026-12-05).
-_quantize_dispatch_jit = jax.jit(lambda x, axis: _quantize_dispatch(x, axis), static_argnums=1)
+# Through jit even when called eagerly or under vmap alone: platform_dependent then picks its branch
+# when the computation is lowered, for the platform of the device it is compiled for. Evaluated
+# outside jit it picks by the default backend: an array committed to the CPU of a GPU machine ran
+# the CUDA branch on the host (no such FFI handler there; seen on an H100, 2026-12-05).
+_quantize_dispatch_jit = jax.jit(_quantize_dispatch, static_argnums=1)
 
 
 @_quantize_dispatch.defjvp

@@ -3,8 +3,9 @@
 Needs the CUDA module built with -DJAX_FA4_FWD_TRACE (CMAKE_CUDA_FLAGS and CMAKE_CXX_FLAGS): thread 0
 of each consumer warpgroup of one CTA (fwd_sm90_mainloop.cuh, kTraceCta) stores clock64() at eight
 points of each of its first 32 key tiles in the sequential loop:
-  0 tile start | 1 K landed | 2 Q K^T issued | 3 Q K^T done | 4 softmax + P packed | 5 V landed |
-  6 P V done | 7 O updated, stage released
+  0 tile start | 1 K landed | 2 Q K^T issued | 3 Q K^T done | 4 mask checked | 5 row max (with the
+  quad shuffles and the rescale factor) | 6 exp2, row sums | 7 P packed | 8 V landed | 9 P V done |
+  10 O updated, stage released
 Prints, per consumer and per configuration, the mean cycles of each phase over tiles 4..31 and the
 offset between the two consumers' tile starts (0 = the two warpgroups run in step).
 
@@ -22,7 +23,8 @@ from jax_fa4 import _cuda_ops as co
 from jax_fa4 import _jax_fa4_cuda as ext
 from jax_fa4 import mx
 
-PHASES = ("K wait", "QK issue", "QK wait", "softmax", "V wait", "PV", "O update")
+PHASES = ("K wait", "QK issue", "QK wait", "mask", "max", "exp+sum", "pack", "V wait", "PV", "O update")
+NP = 12  # points per tile in the buffer (11 used)
 
 
 def trace(scores: str, bits: int, H: int = 128, causal: bool = False) -> np.ndarray:
@@ -36,14 +38,14 @@ def trace(scores: str, bits: int, H: int = 128, causal: bool = False) -> np.ndar
   f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
   for _ in range(3):
     jax.block_until_ready(f(qm, km, vm))
-  t = np.asarray(ext.fwd_trace(), np.int64).reshape(2, 32, 8)
+  t = np.asarray(ext.fwd_trace(), np.int64).reshape(2, 32, NP)[:, :, :11]
   return t
 
 
 def report(name: str, t: np.ndarray) -> None:
   print(f"== {name}")
   for wg in range(2):
-    d = np.diff(t[wg], axis=1)[4:]          # phases 0->1 ... 6->7, tiles 4..31
+    d = np.diff(t[wg], axis=1)[4:]          # phases 0->1 ... 9->10, tiles 4..31
     tile = np.diff(t[wg, :, 0])[4:]         # tile start to next tile start
     print(f"  consumer {wg}: tile {tile.mean():7.0f} cyc | " +
           " | ".join(f"{p} {d[:, i].mean():6.0f}" for i, p in enumerate(PHASES)))

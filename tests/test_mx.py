@@ -176,6 +176,9 @@ def test_package_quantize_is_mx_quantize_off_hopper(monkeypatch):
 
   monkeypatch.setattr(mx, "_cuda_quantizer_available", lambda: True)
   monkeypatch.setattr(_cuda_ops, "quantize", fake_cuda)
+  # The first call above traced the dispatch (on a GPU machine, with the real kernel): drop jax's
+  # trace caches so the calls below trace the fake one.
+  jax.clear_caches()
   same(jax_fa4.quantize(x, 1))  # eager: the branch is still picked for x's device (the CPU)
   same(jax.jit(lambda a: jax_fa4.quantize(a, 1))(x))
   assert traced

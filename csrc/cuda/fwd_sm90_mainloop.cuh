@@ -29,10 +29,10 @@
 namespace jax_fa4::sm90 {
 
 // Phase timestamps for measurement builds only (-DJAX_FA4_FWD_TRACE, scripts/trace_fwd.py): thread 0
-// of each consumer warpgroup of CTA kTraceCta writes clock64() at 8 points of each of its first 32
-// key tiles (sequential loop). Normal builds compile none of it.
+// of each consumer warpgroup of CTA kTraceCta writes clock64() at 11 points of each of its first 32
+// key tiles (sequential loop; points 5 and 6 inside RowSoftmax::step). Normal builds compile none of it.
 #ifdef JAX_FA4_FWD_TRACE
-constexpr int kTraceCta = 300, kTraceTiles = 32, kTracePoints = 8;
+constexpr int kTraceCta = 300, kTraceTiles = 32, kTracePoints = 12;
 // (defined here: fwd_sm90_launch.cu is the only translation unit that includes this header)
 __device__ unsigned long long g_fwd_trace[kNumConsumerWG][kTraceTiles][kTracePoints];
 #define JAX_FA4_TRACE(it, k) \
@@ -141,12 +141,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       n_tiles = w.n_tiles;
     }
     // -inf where the mask removes a score of key tile n (boundary tiles only).
+    auto tile_full = [&](int n) { return tile_is_full<BM, BN>(slot[0], n, slot[1], p.mask); };
+    auto mask_rows = [&](float* s_, int n) {
+      const int m0 = slot[0];
+      const int rws[2] = {m0 + row_in_tile, m0 + row_in_tile + 8};
+      mask_tile<BN>(s_, rws, n, slot[1], p.mask, tq);
+    };
     auto mask_boundary = [&](float* s_, int n) {
-      const int m0 = slot[0], kv_len = slot[1];
-      if (!tile_is_full<BM, BN>(m0, n, kv_len, p.mask)) {
-        const int rws[2] = {m0 + row_in_tile, m0 + row_in_tile + 8};
-        mask_tile<BN>(s_, rws, n, kv_len, p.mask, tq);
-      }
+      if (!tile_full(n)) mask_rows(s_, n);
     };
     // Stage and phase of this tile's key tile it in the CTA's ring.
     // Stage and phase of the work tile's first key tile (one division per work tile); the loops step
@@ -340,6 +342,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t k_lo = k_lo0 + s * kKStep;
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) reg_fence(sc[i]);
+      // Whether this key tile needs the per-element mask, worked out before Q K^T is issued: its
+      // shared-memory and constant loads then wait under the wgmma instead of after it (~150-190
+      // cycles of a ~3400-cycle tile on an H100, scripts/trace_fwd.py).
+      const bool full = tile_full(n);
       if (kExact || !p.qk_promote) {
         pp_sync();
         wgmma_fence();
@@ -390,15 +396,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       // FP8 scores: per-key scale of K (one FMUL per element: a per-tile scale would push small keys
       // of a tile with an outlier key into e4m3's subnormals). Then the mask on boundary tiles only.
       if constexpr (!kExact) scale_by_keys<BN>(sc, sKs + s * BN, tq);
-      mask_boundary(sc, n);
+      if (!full) mask_rows(sc, n);
+      JAX_FA4_TRACE(it, 4);
       float alpha0, alpha1;
+#ifdef JAX_FA4_FWD_TRACE
+      sm.tr = (trace_on && it < kTraceTiles) ? &g_fwd_trace[cw][it][5] : nullptr;
+#endif
       if (fold8) sm.template step<false, true>(sc, alpha0, alpha1);
       else sm.step(sc, alpha0, alpha1);
       uint32_t pa[BN / 32][4];
       pack_p<BN>(sc, pa);
-      JAX_FA4_TRACE(it, 4);
+      JAX_FA4_TRACE(it, 7);
       mbar_wait(&bar_v[s], phase);
-      JAX_FA4_TRACE(it, 5);
+      JAX_FA4_TRACE(it, 8);
       const uint32_t v_lo = v_lo0 + s * kVStep;
       // Two-level accumulation: this tile's P V goes to a fresh wgmma accumulator, which is then
       // added in fp32 (fused with the online-softmax rescale: O = O * alpha + tile, one FFMA,
@@ -423,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         if (h == NSPLIT - 1) pp_arrive(it == n_tiles - 1);
         wgmma_wait<0>();
-        if (h == NSPLIT - 1) JAX_FA4_TRACE(it, 6);
+        if (h == NSPLIT - 1) JAX_FA4_TRACE(it, 9);
 #pragma unroll
         for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
 #pragma unroll
@@ -436,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       mbar_arrive(&bar_empty[s]);  // per thread: an arrive releases only its own reads
-      JAX_FA4_TRACE(it, 7);
+      JAX_FA4_TRACE(it, 10);
     }
     sm.finish();
     {

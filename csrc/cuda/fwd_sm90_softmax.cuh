@@ -55,6 +55,9 @@ struct RowSoftmax {
   float m[2];   // running max in x units (-inf until a finite score arrives)
   double l[2];  // per-thread partial of 256 * sum P (the quad's 4 partials are added at the end)
   float rf[2];
+#ifdef JAX_FA4_FWD_TRACE
+  unsigned long long* tr = nullptr;  // measurement builds: clock64() after the max, after the sums
+#endif
 
   __device__ __forceinline__ void init(float rf0, float rf1) {
     m[0] = m[1] = -INFINITY;
@@ -69,11 +72,19 @@ struct RowSoftmax {
   // as "+ 8" instead of one FMUL per element (see below for why the default does not).
   template <bool kDiagNoExp = false, bool kFold8 = false>
   __device__ __forceinline__ void step(float* s, float& alpha0, float& alpha1) {
-    float mx[2] = {m[0], m[1]};
+    // Row max over 4 interleaved partial maxima, then a tree (BN/32 + 3 dependent steps instead of a
+    // BN/8-long chain: the softmax of a tile is latency-bound, measured on an H100). A full tree of
+    // BN/8 leaves made ptxas spill. max is exact in any order.
+    float mx[2];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[j * 4 + 0], s[j * 4 + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[j * 4 + 2], s[j * 4 + 3]));
+    for (int r = 0; r < 2; ++r) {
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const float pr = fmaxf(s[j * 4 + 2 * r], s[j * 4 + 2 * r + 1]);
+        v[j % 4] = j < 4 ? pr : fmaxf(v[j % 4], pr);
+      }
+      mx[r] = fmaxf(m[r], fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3])));
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -94,6 +105,9 @@ struct RowSoftmax {
       }
       m[r] = mx[r];
     }
+#ifdef JAX_FA4_FWD_TRACE
+    if (tr) tr[0] = clock64();
+#endif
     constexpr int kPart = (BN / 8 >= 8) ? 8 : BN / 8;  // tree partials per row
     static_assert((BN / 8) % kPart == 0, "tile columns must split evenly over the partial sums");
     float part[2][kPart];
@@ -120,6 +134,9 @@ struct RowSoftmax {
         for (int i = 0; i < w; ++i) part[r][i] += part[r][i + w];
       l[r] = fma(l[r], (double)alpha[r], (double)part[r][0]);
     }
+#ifdef JAX_FA4_FWD_TRACE
+    if (tr) tr[1] = clock64();
+#endif
     alpha0 = alpha[0];
     alpha1 = alpha[1];
   }
