@@ -10,6 +10,13 @@ Prints, per consumer and per configuration, the mean cycles of each phase over t
 offset between the two consumers' tile starts (0 = the two warpgroups run in step).
 
   python scripts/trace_fwd.py
+
+Building and running it (seen working, 2026-12-05): on the dev machine
+  cmake -S . -B build_trace -G Ninja -DJAX_FA4_CUDA=ON -DPython_EXECUTABLE=$(which python3.12) \
+    -DCMAKE_CUDA_FLAGS=-DJAX_FA4_FWD_TRACE -DCMAKE_CXX_FLAGS=-DJAX_FA4_FWD_TRACE
+  cmake --build build_trace --target _jax_fa4_cuda && mkdir -p .build_trace && cp build_trace/*.so .build_trace/
+then carry `.build_trace` to the GPU machine and run `cp .build_trace/*.so jax_fa4/ && python3
+scripts/trace_fwd.py` (after everything that needs the normal module).
 """
 from __future__ import annotations
 
