@@ -17,7 +17,10 @@ times the variants at B=2, T=S=8192 (4096 at H = 256), N=16, H = 128, 64 and 256
 beside cuDNN bf16 in the same process; forward_mx includes the preparation of Q, K, V (the same for
 every variant).
 
-  python scripts/probe_fwd_loops.py [--json OUT] [--quick] [--skip-identity]
+Consumers (JAX_FA4_SM90_CONSUMERS): 2 (default) or 3 (192-row query tiles; exact scores, H <= 128);
+--consumers times only those.
+
+  python scripts/probe_fwd_loops.py [--json OUT] [--quick] [--skip-identity] [--consumers]
 """
 from __future__ import annotations
 
@@ -40,11 +43,13 @@ from bench_backward_gpu import time_fn  # noqa: E402  (median of blocked bursts,
 
 ENV = "JAX_FA4_SM90_PIPELINE"
 ENV_PERSISTENT = "JAX_FA4_SM90_PERSISTENT"
+ENV_CONSUMERS = "JAX_FA4_SM90_CONSUMERS"
 
 
-def _set(bits: int, persistent: int = 1) -> None:
+def _set(bits: int, persistent: int = 1, consumers: int = 2) -> None:
   os.environ[ENV] = str(bits)
   os.environ[ENV_PERSISTENT] = str(persistent)
+  os.environ[ENV_CONSUMERS] = str(consumers)
 
 
 def _call(qm, km, vm, ql, kl, *, scale, causal, window, scores, bits, persistent):
@@ -127,13 +132,47 @@ def timings(results: dict, quick: bool = False) -> None:
   _set(0)
 
 
+def consumer_timings(results: dict) -> None:
+  """Two vs three consumer warpgroups (JAX_FA4_SM90_CONSUMERS; exact scores, H = 64 and 128)."""
+  print(f"device: {jax.devices()[0].device_kind}", flush=True)
+  for H in (128, 64):
+    B, T, N = 2, 8192, 16
+    keys = jax.random.split(jax.random.key(H), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
+    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+    L = jnp.full((B,), T, jnp.int32)
+    for causal in (False, True):
+      fl = 4 * B * T * T * N * H * (0.5 if causal else 1)
+      cud = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
+      base = _time(cud, (q, k, v))
+      print(f"H={H} causal={causal}: cuDNN bf16 {base:.1f} us {fl / base / 1e6:.0f} TF/s", flush=True)
+      results[f"H{H}_c{int(causal)}_cudnn_bf16"] = base
+      variants = [(0, 2), (1, 2), (0, 3)] + ([(1, 3)] if H == 64 else [])
+      for bits, cons in variants:
+        _set(bits, 0, cons)
+        f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal))
+        us = _time(f, (qm, km, vm))
+        results[f"H{H}_c{int(causal)}_exact_{bits}_cons{cons}"] = us
+        print(f"   exact variant {bits} consumers {cons}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s "
+              f"({base / us:.2f}x cuDNN bf16)", flush=True)
+  _set(0)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--json", default=None)
   ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
   ap.add_argument("--quick", action="store_true", help="H = 128 timings of a few variants only")
   ap.add_argument("--skip-identity", action="store_true", help="timings only (the GPU tests check bit-identity)")
+  ap.add_argument("--consumers", action="store_true", help="only: two vs three consumer warpgroups (H 64, 128)")
   args = ap.parse_args()
+  if args.consumers:
+    results = {"device": jax.devices()[0].device_kind}
+    consumer_timings(results)
+    if args.json:
+      with open(args.json, "w") as fh:
+        json.dump(results, fh, indent=1)
+    return
   print(f"seed {args.seed}", flush=True)
   # (--quick leaves the identity check to tests/test_cuda_forward.py::test_loop_variants_and_grids_bitwise_equal)
   ok = None if args.quick or args.skip_identity else check_identity(args.seed)

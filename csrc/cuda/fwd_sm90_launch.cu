@@ -1,5 +1,5 @@
 // Launcher of the sm_90a forward kernel: builds the TMA tensor maps, picks the tile config by
-// head dim, and launches one CTA per (128-row query tile, query head, batch).
+// head dim, and launches one CTA per (128- or 192-row query tile, query head, batch) in the scheduler's order.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -23,16 +23,16 @@ using sm90::TileConfig;
 
 static_assert(kSeqPad == sm90::kSeqPad, "launch.h and tile_config.cuh disagree on the S padding");
 
-template <int H, bool kPipe, bool kExact>
+template <int H, bool kPipe, bool kExact, int kCons = sm90::kNumConsumerWG>
 cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
-  using Cfg = TileConfig<H, kExact ? 2 : 1>;
+  using Cfg = TileConfig<H, kExact ? 2 : 1, kCons>;
   // Q and K are described as bytes (uint8 maps): RB bytes per row, e4m3 or bf16 alike.
   constexpr cuuint64_t RB = Cfg::kRowBytesQK;
   CUtensorMap tm_q, tm_k, tm_v;
-  {  // Q [B, T, N, H]: box = one swizzle-width column chunk of 128 rows (query positions).
+  {  // Q [B, T, N, H]: box = one swizzle-width column chunk of BM rows (query positions).
     const cuuint64_t dims[4] = {RB, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
     const cuuint64_t str[3] = {(cuuint64_t)a.N * RB, RB, (cuuint64_t)a.T * a.N * RB};
-    const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)sm90::kBlockM, 1, 1};
+    const cuuint32_t box[4] = {(cuuint32_t)Cfg::kSwQK, (cuuint32_t)Cfg::kBM, 1, 1};
     if (auto e = make_map(&tm_q, a.q8, dims, str, box, swizzle_of(Cfg::kSwQK)); e != cudaSuccess) return e;
   }
   {  // K [B, S, Kh, H]: box = one column chunk of BN keys.
@@ -47,9 +47,9 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
     const cuuint32_t box[4] = {(cuuint32_t)Cfg::kBlockN, (cuuint32_t)H, 1, 1};
     if (auto e = make_map(&tm_v, a.vt, dims, str, box, swizzle_of(Cfg::kSwV)); e != cudaSuccess) return e;
   }
-  if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact>>(Cfg::kSmemBytes); e != cudaSuccess)
+  if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact, kCons>>(Cfg::kSmemBytes); e != cudaSuccess)
     return e;
-  p.num_m_blocks = (a.T + sm90::kBlockM - 1) / sm90::kBlockM;
+  p.num_m_blocks = (a.T + Cfg::kBM - 1) / Cfg::kBM;
   const int64_t num_work = (int64_t)p.num_m_blocks * a.N * a.B;
   if (num_work > INT32_MAX) return cudaErrorInvalidValue;  // the scheduler's work index is an int
   p.num_work = (int)num_work;
@@ -72,7 +72,7 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 0;
   const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
   const int64_t grid = num_work < cap ? num_work : cap;
-  sm90::fwd_sm90_kernel<H, kPipe, kExact><<<(unsigned)grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  sm90::fwd_sm90_kernel<H, kPipe, kExact, kCons><<<(unsigned)grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
 
@@ -103,11 +103,21 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   // The kPipe kernels hold the overlapped loop (H <= 128 only: registers) and the bit-32 measurement.
   const bool pipe = (p.pipelined & (1 | 32)) != 0;
   // (bit 2, ping-pong, also applies to the sequential loop, so H = 256 honours it)
+  // JAX_FA4_SM90_CONSUMERS=3 (exact scores, H = 64 only): three consumer warpgroups, 192 query rows
+  // per CTA (tile_config.cuh TileConfig); ping-pong (bit 2) is for two consumers and is ignored then.
+  // (The FP8-score kernel spilled ~200 bytes per thread at 160 registers: not built.)
+  const char* cs = std::getenv("JAX_FA4_SM90_CONSUMERS");
+  const bool three = a.H == 64 && cs != nullptr && cs[0] == '3';
+  const bool three3 = a.H == 128 && cs != nullptr && cs[0] == '3';
   if (a.exact_scores) {
     p.qk_promote = 0;
     switch (a.H) {
-      case 64: return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
-      case 128: return pipe ? launch_h<128, true, true>(a, p, stream) : launch_h<128, false, true>(a, p, stream);
+      case 64:
+        if (three) return pipe ? launch_h<64, true, true, 3>(a, p, stream) : launch_h<64, false, true, 3>(a, p, stream);
+        return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
+      case 128:
+        if (three3) return launch_h<128, false, true, 3>(a, p, stream);
+        return pipe ? launch_h<128, true, true>(a, p, stream) : launch_h<128, false, true>(a, p, stream);
       case 256: return launch_h<256, false, true>(a, p, stream);
       default: return cudaErrorInvalidValue;
     }

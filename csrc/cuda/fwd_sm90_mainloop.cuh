@@ -34,7 +34,7 @@ namespace jax_fa4::sm90 {
 #ifdef JAX_FA4_FWD_TRACE
 constexpr int kTraceCta = 300, kTraceTiles = 32, kTracePoints = 12;
 // (defined here: fwd_sm90_launch.cu is the only translation unit that includes this header)
-__device__ unsigned long long g_fwd_trace[kNumConsumerWG][kTraceTiles][kTracePoints];
+__device__ unsigned long long g_fwd_trace[3][kTraceTiles][kTracePoints];  // up to 3 consumers
 #define JAX_FA4_TRACE(it, k) \
   do { if (trace_on && (it) < kTraceTiles) g_fwd_trace[cw][(it)][(k)] = clock64(); } while (0)
 #else
@@ -42,14 +42,15 @@ __device__ unsigned long long g_fwd_trace[kNumConsumerWG][kTraceTiles][kTracePoi
 #endif
 
 // kPipe selects the experimental overlapped consumer loop (a separate instantiation, so the default
-// kernel's register allocation does not carry the variants' pressure).
-template <int H, bool kPipe, bool kExact>
-__global__ void __launch_bounds__(kThreads, 1)
+// kernel's register allocation does not carry the variants' pressure). kCons: consumer warpgroups
+// (tile_config.cuh TileConfig says when 3).
+template <int H, bool kPipe, bool kExact, int kCons = kNumConsumerWG>
+__global__ void __launch_bounds__(TileConfig<H, kExact ? 2 : 1, kCons>::kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v, const FwdParams p) {
-  using Cfg = TileConfig<H, kExact ? 2 : 1>;
+  using Cfg = TileConfig<H, kExact ? 2 : 1, kCons>;
   static_assert(!kPipe || H <= 128, "the overlapped loop's registers (O, tile O, S, P) fit at H <= 128 only");
-  constexpr int BM = kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages;
+  constexpr int BM = Cfg::kBM, BN = Cfg::kBlockN, ST = Cfg::kStages;
   constexpr int SWQK = Cfg::kSwQK, SWV = Cfg::kSwV;
 
   extern __shared__ uint8_t smem_raw[];
@@ -71,15 +72,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the compiler cannot recompute them, and the overlapped loop at H = 128 (O, tile O, S and P fill
   // 208 of its 240 registers) spilled O registers on every key tile when they stayed live.
   int4* slots = reinterpret_cast<int4*>(reinterpret_cast<uint8_t*>(bars) + 256);
-  using Sched = FwdTileScheduler<BN>;
+  using Sched = FwdTileScheduler<BM, BN>;
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
-    mbar_init(bar_q_empty, kNumConsumerWG * kWarpgroupThreads);
+    mbar_init(bar_q_empty, kCons * kWarpgroupThreads);
     for (int s = 0; s < ST; ++s) {
       mbar_init(&bar_k[s], 1);
       mbar_init(&bar_v[s], 1);
-      mbar_init(&bar_empty[s], kNumConsumerWG * kWarpgroupThreads);
+      mbar_init(&bar_empty[s], kCons * kWarpgroupThreads);
     }
     fence_barrier_init();
   }
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
     const int cw = wg - 1;  // consumer index: query rows [m0 + 64*cw, m0 + 64*cw + 64)
     const int t = threadIdx.x % kWarpgroupThreads;
     const int warp = t / 32, lane = t % 32;
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // softmax), in either loop. Only switches that touch no wgmma accumulator may be run-time values:
     // a run-time choice of accumulator (the former bit 4, P V straight into O) made ptxas serialize
     // every wgmma of the loop (warning C7515: a wait after each), which hid the overlap it measured.
-    const bool pingpong = (p.pipelined & 2) != 0 && n_tiles > 0;
+    const bool pingpong = kCons == 2 && (p.pipelined & 2) != 0 && n_tiles > 0;  // (two consumers only)
     // Bit 32 (measurement only, not the contract's numerics): P*256 as exp2(x + 8), no FMUL per
     // element, to time what that multiply costs the softmax. Compiled into the kPipe kernels only
     // (the launcher picks them for bit 32), so the default H >= 128 kernels carry no second softmax.
@@ -415,8 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // the same count as the plain rescale). The fp8 wgmma accumulator keeps far fewer bits
       // than fp32 (HOPPER_KERNELS.md section 3); accumulating O across hundreds of tiles in it
       // drifted by 1e-4..1e-3 relative on the first GPU run.
-      // H = 256 does it in two N = 128 halves so the tile accumulator fits the register budget.
-      constexpr int NSPLIT = (H == 256) ? 2 : 1;
+      // H = 256 does it in two N = 128 halves so the tile accumulator fits the register budget; so
+      // does H = 128 with three consumers (160 registers: O 64 + P 16 + a 32-register half tile).
+      constexpr int NSPLIT = (H == 256 || (H == 128 && kCons == 3)) ? 2 : 1;
       constexpr int HN = H / NSPLIT;
       pp_sync();  // the P V block: both halves at H = 256
 #pragma unroll

@@ -7,7 +7,7 @@
 
 namespace jax_fa4::sm90 {
 
-// One unit of work: kBlockM query rows of one (batch, head) against the key tiles [n_lo, n_lo + n_tiles).
+// One unit of work: BM query rows of one (batch, head) against the key tiles [n_lo, n_lo + n_tiles).
 struct WorkTile {
   int m0, n_head, b, kh, q_len, kv_len, n_lo, n_tiles;
 };
@@ -19,7 +19,7 @@ struct WorkTile {
 // the CTAs running at the same time still share a few pairs' K/V in L2. A CTA takes t = blockIdx.x,
 // blockIdx.x + gridDim.x, ...: one tile when the grid covers the work, a persistent loop when the grid
 // is one CTA per SM.
-template <int BN>
+template <int BM, int BN>
 struct FwdTileScheduler {
   // From the parameters (constant bank) rather than a product held in a register: the overlapped
   // loop at H = 128 has none to spare.
@@ -34,14 +34,14 @@ struct FwdTileScheduler {
     const int r = within / len;
     const int pair = first + (within - r * len);
     WorkTile w;
-    w.m0 = (M - 1 - r) * kBlockM;
+    w.m0 = (M - 1 - r) * BM;
     w.n_head = pair % p.N;
     w.b = pair / p.N;
     w.kh = w.n_head / p.group;
     w.q_len = min(max(p.q_len[w.b], 0), p.T);
     w.kv_len = min(max(p.kv_len[w.b], 0), p.S);
     int n_hi;
-    tile_range<kBlockM, BN>(w.m0, w.q_len, w.kv_len, p.mask, w.n_lo, n_hi);
+    tile_range<BM, BN>(w.m0, w.q_len, w.kv_len, p.mask, w.n_lo, n_hi);
     w.n_tiles = n_hi - w.n_lo;
     return w;
   }

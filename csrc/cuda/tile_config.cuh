@@ -30,9 +30,22 @@ static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThr
 // the dequantized MX values exactly (the exact-score path: Q K^T on bf16 wgmma, fp32-exact sums).
 // Either way one wgmma k-step consumes 32 bytes of a row (k32 e4m3 or k16 bf16), so the swizzled
 // layout, the descriptors and their per-step advance are the same code with rows kQKBytes*H long.
-template <int H, int kQKBytes = 1> struct TileConfig {
+//
+// kCons: consumer warpgroups per CTA (query rows = 64 * kCons). 2 by default; 3 at H = 64 as an
+// option (FA3's 192-row tile at H <= 64): the softmax of a key tile is a latency chain run by one warp
+// per scheduler per consumer (docs/HOPPER_FORWARD.md, "Where the time goes"), so a third consumer
+// gives each scheduler a third chain to interleave. Registers then: 128*24 + 384*160 = 64512, and
+// the sequential loop at H = 64 needs O 32 + S 64 + P 16 (+ the tile O 32 once S is dead) = 112.
+template <int H, int kQKBytes = 1, int kCons = kNumConsumerWG> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
   static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
+  static_assert(kCons == 2 || (kCons == 3 && H <= 128), "3 consumer warpgroups fit the register file at H <= 128 only");
+  static constexpr int kConsumers = kCons;
+  static constexpr int kBM = 64 * kCons;  // query rows per CTA
+  static constexpr int kThreads = (1 + kCons) * kWarpgroupThreads;
+  static constexpr int kConsumerRegs = kCons == 2 ? 240 : 160;
+  static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <= 65536,
+                "register split exceeds the register file");
   static constexpr int kHeadDim = H;
   static constexpr int kRowBytesQK = H * kQKBytes;  // one Q or K row in shared memory
   static constexpr int kStepsQK = kRowBytesQK / 32;  // wgmma k-steps of Q K^T
@@ -48,11 +61,11 @@ template <int H, int kQKBytes = 1> struct TileConfig {
   static constexpr int kChunksQK = kRowBytesQK / kSwQK;
   // Swizzle of the V^T tile: its rows are BN keys (bytes) long.
   static constexpr int kSwV = kBlockN;  // 128 or 64
-  static constexpr int kQBytes = kBlockM * kRowBytesQK;
+  static constexpr int kQBytes = kBM * kRowBytesQK;
   static constexpr int kKBytes = kBlockN * kRowBytesQK;
   static constexpr int kVBytes = H * kBlockN;
   // Per consumer thread, 16 bytes for its work tile's coordinates (fwd_sm90_mainloop.cuh says why).
-  static constexpr int kSlotBytes = kNumConsumerWG * kWarpgroupThreads * 16;
+  static constexpr int kSlotBytes = kCons * kWarpgroupThreads * 16;
   static constexpr int kSmemBytes = 1024 /*alignment slack*/ + kQBytes + kStages * (kKBytes + kVBytes) +
                                     kStages * kBlockN * 4 + 256 /*barriers*/ + kSlotBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM exceeded");
