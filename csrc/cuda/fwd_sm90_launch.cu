@@ -93,22 +93,25 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   // Precision experiment switch (see fwd_sm90_mainloop.cuh); read per launch, off by default.
   const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
+  // JAX_FA4_SM90_CONSUMERS=<2|3>: consumer warpgroups per CTA. 3 (192 query rows per CTA,
+  // tile_config.cuh TileConfig) exists for exact scores at H <= 128 and is their default: on an H200
+  // (2026-12-06, scripts/probe_fwd_loops.py --consumers, B=2 T=S=8192 N=16) it was 13% / 5% faster
+  // than two consumers at H = 128 (non-causal / causal) and 19% / 18% at H = 64, bitwise equal.
+  // Ping-pong (bit 2 below) is for two consumers and is ignored with three. (The FP8-score kernel
+  // spilled ~200 bytes per thread at 160 registers: it keeps two consumers.)
+  const char* cs = std::getenv("JAX_FA4_SM90_CONSUMERS");
+  const bool three = a.exact_scores && a.H <= 128 && (cs == nullptr || cs[0] != '2');
   const char* pl = std::getenv("JAX_FA4_SM90_PIPELINE");
   // JAX_FA4_SM90_PIPELINE=<bits>: 1 overlapped loop, |2 ping-pong, |16 diagnostic (mainloop).
-  // Default: the overlapped loop at H = 64 (7-12% faster than the sequential one on an H100 and an
-  // H200, both score paths), the sequential loop otherwise (overlap and ping-pong were 5-15% slower
-  // at H = 128 and within noise at H = 256: docs/HOPPER_FORWARD.md, "Loop variants").
-  p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : (a.H == 64 ? 1 : 0);
+  // Default: the sequential loop, except the overlapped loop at H = 64 with two consumers (7-12%
+  // faster there on an H100 and an H200, both score paths; with three consumers the sequential loop
+  // was 7-10% faster than the overlapped one). Overlap and ping-pong were 5-15% slower at H = 128 and
+  // within noise at H = 256: docs/HOPPER_FORWARD.md, "Loop variants".
+  p.pipelined = pl != nullptr ? (int)std::strtol(pl, nullptr, 10) : (a.H == 64 && !three ? 1 : 0);
   if (p.pipelined & 16) p.pipelined |= 1;
   // The kPipe kernels hold the overlapped loop (H <= 128 only: registers) and the bit-32 measurement.
-  const bool pipe = (p.pipelined & (1 | 32)) != 0;
   // (bit 2, ping-pong, also applies to the sequential loop, so H = 256 honours it)
-  // JAX_FA4_SM90_CONSUMERS=3 (exact scores, H = 64 only): three consumer warpgroups, 192 query rows
-  // per CTA (tile_config.cuh TileConfig); ping-pong (bit 2) is for two consumers and is ignored then.
-  // (The FP8-score kernel spilled ~200 bytes per thread at 160 registers: not built.)
-  const char* cs = std::getenv("JAX_FA4_SM90_CONSUMERS");
-  const bool three = a.H == 64 && cs != nullptr && cs[0] == '3';
-  const bool three3 = a.H == 128 && cs != nullptr && cs[0] == '3';
+  const bool pipe = (p.pipelined & (1 | 32)) != 0;
   if (a.exact_scores) {
     p.qk_promote = 0;
     switch (a.H) {
@@ -116,7 +119,7 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
         if (three) return pipe ? launch_h<64, true, true, 3>(a, p, stream) : launch_h<64, false, true, 3>(a, p, stream);
         return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
       case 128:
-        if (three3) return launch_h<128, false, true, 3>(a, p, stream);
+        if (three) return launch_h<128, false, true, 3>(a, p, stream);  // (no overlapped loop: registers)
         return pipe ? launch_h<128, true, true>(a, p, stream) : launch_h<128, false, true>(a, p, stream);
       case 256: return launch_h<256, false, true>(a, p, stream);
       default: return cudaErrorInvalidValue;
