@@ -345,8 +345,10 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   q, k, v, do: MXArray blocked along H (axis 3): the forward's q and k, v and dO blocked along H.
   lse: the forward's float32 [B,T,N] (natural log, -inf for rows without keys); delta =
   rowsum(O * dO), float32 [B,T,N]. Every product runs on bf16 wgmma over the exact dequantized
-  values (csrc/cuda/bwd_sm90_kernel.cuh); dS is rounded to MX e4m3 as the recipe rounds it (along
-  S for dQ, along T for dK), online in registers. ``deterministic``: dQ's
+  values (csrc/cuda/bwd_sm90_kernel.cuh): q and do as bf16 copies (``_exact_rows``), k and v as MX
+  (e4m3 data + scale bytes), dequantized by the kernel into shared memory to the same bf16 bits.
+  dS is rounded to MX e4m3 as the recipe rounds it (along S for dQ, along T for dK), online in
+  registers. ``deterministic``: dQ's
   cross-tile adds in a fixed order (bitwise reproducible) instead of unordered ones.
   ``dkv_dtype``: float32, bfloat16 or float16; dK and dV are accumulated in fp32 and rounded once,
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
@@ -376,7 +378,10 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   if T == 0 or S == 0 or B == 0 or N == 0:
     return (jnp.zeros((B, T, N, H), jnp.float32), jnp.zeros((B, S, K, H), dkv_dtype),
             jnp.zeros((B, S, K, H), dkv_dtype))
-  qe, ke, ve, doe = (_exact_rows(x)[0] for x in (q, k, v, do))
+  # q and dO: bf16 copies for the kernel's TMA ring. K and V go in as MX (data + scale bytes): each
+  # CTA dequantizes its key tile into shared memory (the same bf16 bits as _exact_rows), which
+  # saves two transient bf16 tensors (2 x B*S*K*H*2 bytes) and their memory passes.
+  qe, doe = (_exact_rows(x)[0] for x in (q, do))
   t_pad = -(-T // _BWD_BLOCK_M) * _BWD_BLOCK_M
   # P = exp2(S scale log2e - lse2): rows past q_len and rows without keys get lse2 = +inf (P = 0).
   lse = jnp.asarray(lse)
@@ -390,7 +395,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
          jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
          jax.ShapeDtypeStruct((B, N, chunks, t_pad // _BWD_BLOCK_M), jnp.int32))
   dq, dk, dv, _ = jax.ffi.ffi_call(_T_BWD, out, vmap_method="broadcast_all")(
-      qe, ke, ve, doe, lse2, delta_t, q_len, kv_len, scale=np.float32(scale),
+      qe, k.data, mx.e8m0_to_bytes(k.scale), v.data, mx.e8m0_to_bytes(v.scale), doe, lse2, delta_t, q_len,
+      kv_len, scale=np.float32(scale),
       causal=np.int64(bool(is_causal)), window_left=np.int64(left), window_right=np.int64(right),
       deterministic=np.int64(bool(deterministic)))
   # The kernel accumulates dS K; the softmax scale of dQ is applied here (fused with the cast).

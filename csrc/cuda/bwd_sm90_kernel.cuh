@@ -1,8 +1,10 @@
 // The sm_90a MX attention backward kernel (FA3's structure: one CTA per key tile, dK and dV in
 // registers, dQ accumulated across CTAs in fp32).
-//   warpgroup 0 (producer): one thread loads K and V of the CTA's 128 keys once (TMA), then streams
-//     the (Q, dO) tiles of 64 queries, with their lse and delta rows, through a kStages ring.
-//   warpgroups 1, 2 (consumers): 64 keys each. Per query tile:
+//   warpgroup 0 (producer): one thread streams the (Q, dO) tiles of 64 queries, with their lse and
+//     delta rows, through a kStages ring (TMA).
+//   warpgroups 1, 2 (consumers): first, all 256 threads dequantize K and V of the CTA's 128 keys from
+//     MX (e4m3 + E8M0 block bytes) into the swizzled bf16 tiles (once per CTA; dequant_kv_tile), so
+//     no bf16 copy of K or V exists in global memory. Then 64 keys each. Per query tile:
 //     S^T = K Q^T and dP^T = V dO^T (SS wgmma, K-major along H);
 //     P^T = exp2(S^T * scale log2e - lse log2e) (0 where masked), dS^T = P^T (dP^T - delta);
 //     dV += P8^T dO with P8 = e4m3(P * 256) (the recipe's fixed P scale; /256 in the epilogue),
@@ -47,6 +49,10 @@ struct BwdParams {
   float scale;            // softmax scale (dK's factor)
   float scale_log2;       // softmax scale * log2(e)
   MaskParams mask;
+  const uint8_t* k8;      // [B, S, Kh, H] e4m3, K blocked along H (16-byte aligned: launcher checks)
+  const uint8_t* ks;      // [B, S, Kh, H / 32] E8M0 scale bytes of k8
+  const uint8_t* v8;      // [B, S, Kh, H] e4m3, V blocked along H
+  const uint8_t* vs;      // [B, S, Kh, H / 32] E8M0 scale bytes of v8
 };
 
 // MN-major shared-memory descriptor, 128B swizzle: the M/N axis runs along the 128-byte rows (64
@@ -123,10 +129,105 @@ __device__ __forceinline__ int first_key_tile(int m0, MaskParams mk) {
   return lo <= 0 ? 0 : (int)(lo / BN);
 }
 
+// The CTA's work: the query tiles [m_lo, m_lo + n_m) that meet its key tile, for each of the
+// group's query heads (n_iters pairs, heads outer). Each role computes it after its setmaxnreg:
+// computed once before the role split, n_iters left the uniform registers at H = 256 once the
+// producer no longer issued the K / V loads, and ptxas spilled it around the consumers' loop.
+struct BwdWork {
+  int kv_len, m_lo, n_m, n_iters;
+};
+template <int BM, int BN>
+__device__ __forceinline__ BwdWork bwd_work(const BwdParams& p, int b, int k0) {
+  const int q_len = min(max(p.q_len[b], 0), p.T);
+  const int kv_len = min(max(p.kv_len[b], 0), p.S);
+  int m_lo, m_hi;
+  query_range<BM, BN>(k0, q_len, kv_len, p.mask, m_lo, m_hi);
+  return {kv_len, m_lo, m_hi - m_lo, (m_hi - m_lo) * p.group};
+}
+
+// K or V of the CTA's key tile, MX -> the bf16 tile the consumers' wgmmas read, written by the 256
+// consumer threads (t = 0..255) with generic-proxy stores. The bytes are those the TMA load of the
+// bf16 copy (exact_rows' output: dequant8_bf16 of the same e4m3 bytes and scale byte) wrote before:
+//   * layout: the tile is kAtoms column atoms of 64 bf16 (128 bytes) x BN rows, atom a at a * BN * 128;
+//     in each, row r's 16-byte chunk c (bf16 columns 64 a + 8 c .. + 7) sits at
+//     r * 128 + ((c ^ (r & 7)) << 4): the TMA 128B swizzle of a box of 128-byte rows written to a
+//     1024-byte aligned address (the swizzle XORs address bits [4:6] with bits [7:9]);
+//     tests/test_bwd_kv_dequant_layout.py models both and compares them;
+//   * rows at or past S (the last tile's padding) are zero bytes, as the TMA unit's out-of-bounds
+//     fill made them (OOB_FILL_NONE: zeros); rows below S are read whatever kv_len says, as the TMA
+//     load read them;
+//   * values: dequant8_bf16 (mx_math.cuh), exact_rows_kernel's own function, on the same 8 e4m3
+//     bytes and the same scale byte (element e of a row has byte e / 32 of the row's H / 32).
+// Thread t takes 16 consecutive elements (one 16-byte load; both halves share a 32-element block
+// and so one scale byte) of kRowsPerPass rows apart: group g = t % (H / 16) of rows
+// t / (H / 16) + i * kRowsPerPass. A warp then reads whole 64- to 256-byte rows (coalesced). All the
+// loads are issued before the first store (H / 32 x 16 B each of K and V per thread: <= 64 data
+// registers at H = 256, while nothing else is live yet).
+template <int H>
+struct KvDequant {
+  using Cfg = BwdTileConfig<H>;
+  static constexpr int kGroups = H / 16;                       // 16-element groups per row
+  static constexpr int kRowsPerPass = kNumConsumerWG * kWarpgroupThreads / kGroups;
+  static constexpr int kPasses = Cfg::kBlockN / kRowsPerPass;  // H / 32
+  static_assert(kRowsPerPass * kPasses == Cfg::kBlockN, "the consumers cover the key tile exactly");
+  static_assert(Cfg::kSw == 128 && Cfg::kRowBytes == 2 * H, "128-byte swizzle rows of bf16");
+};
+
+template <int H>
+__device__ __forceinline__ void dequant_kv_tile(uint8_t* sK, uint8_t* sV, const BwdParams& p, int b, int kh, int k0,
+                                                int t) {
+  using D = KvDequant<H>;
+  constexpr int BN = D::Cfg::kBlockN;
+  const int g = t % D::kGroups;
+  const int r0 = t / D::kGroups;
+  const int rows = min(BN, p.S - k0) - r0;  // passes i with i * kRowsPerPass < rows are rows below S
+  // This thread's first row, (b, k0 + r0, kh) of [B * S * Kh] rows.
+  const int64_t row = ((int64_t)b * p.S + k0 + r0) * p.Kh + kh;
+  const int64_t step = (int64_t)D::kRowsPerPass * p.Kh;  // rows between passes
+  const uint4* kp = reinterpret_cast<const uint4*>(p.k8 + row * H) + g;
+  const uint4* vp = reinterpret_cast<const uint4*>(p.v8 + row * H) + g;
+  const uint8_t* ksp = p.ks + row * (H / 32) + g / 2;
+  const uint8_t* vsp = p.vs + row * (H / 32) + g / 2;
+  uint4 kd[D::kPasses], vd[D::kPasses];
+  uint32_t kb[D::kPasses], vb[D::kPasses];
+#pragma unroll
+  for (int i = 0; i < D::kPasses; ++i) {
+    kd[i] = vd[i] = make_uint4(0u, 0u, 0u, 0u);
+    kb[i] = vb[i] = 0u;
+    if (i * D::kRowsPerPass < rows) {
+      kd[i] = __ldg(kp + i * step * (H / 16));
+      vd[i] = __ldg(vp + i * step * (H / 16));
+      kb[i] = __ldg(ksp + i * step * (H / 32));
+      vb[i] = __ldg(vsp + i * step * (H / 32));
+    }
+  }
+  const int atom = g / 4, c0 = 2 * (g % 4), odd = atom & 1;
+#pragma unroll
+  for (int i = 0; i < D::kPasses; ++i) {
+    const int r = r0 + i * D::kRowsPerPass;
+    const bool live = i * D::kRowsPerPass < rows;
+    const uint32_t base = atom * BN * 128 + r * 128;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      uint8_t* const dst = m == 0 ? sK : sV;
+      const uint4 w = m == 0 ? kd[i] : vd[i];
+      const uint32_t sb = m == 0 ? kb[i] : vb[i];
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      const uint4 lo = live ? prep::dequant8_bf16(w.x, w.y, sb) : zero;  // elements 16 g .. 16 g + 7
+      const uint4 hi = live ? prep::dequant8_bf16(w.z, w.w, sb) : zero;  // elements 16 g + 8 .. + 15
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int h = j ^ odd;  // 0: lo (chunk c0), 1: hi (chunk c0 + 1)
+        const uint32_t off = base + (((c0 + h) ^ (r & 7)) << 4);
+        *reinterpret_cast<uint4*>(dst + off) = h ? hi : lo;
+      }
+    }
+  }
+}
+
 template <int H>
 __global__ void __launch_bounds__(kThreads, 1)
-    bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+    bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                     const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
   using Cfg = BwdTileConfig<H>;
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages, HV = Cfg::kHV, SW = Cfg::kSw;
@@ -146,11 +247,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sDelta = sLse + ST * BM;                                               // ST x BM
   uint8_t* sXchg = reinterpret_cast<uint8_t*>(sDelta + ST * BM);  // [consumer][warp][BM / 2] u16x2 scale-byte words
   uint64_t* bars = reinterpret_cast<uint64_t*>(sXchg + Cfg::kXchgBytes);
-  uint64_t* bar_kv = bars;
-  uint64_t* bar_full = bars + 1;
-  uint64_t* bar_empty = bars + 1 + ST;
-  uint64_t* bar_dq_full = bars + 1 + 2 * ST;   // both consumers' dQ tiles stored (every thread arrives)
-  uint64_t* bar_dq_empty = bars + 2 + 2 * ST;  // the reduce-add has read the dQ tiles
+  uint64_t* bar_full = bars;
+  uint64_t* bar_empty = bars + ST;
+  uint64_t* bar_dq_full = bars + 2 * ST;       // both consumers' dQ tiles stored (every thread arrives)
+  uint64_t* bar_dq_empty = bars + 1 + 2 * ST;  // the reduce-add has read the dQ tiles
 
   const int n_tile = blockIdx.x;  // key tile: fastest grid index, so tile j-1 launches before j
   const int k0 = n_tile * BN;
@@ -158,15 +258,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int chunk = blockIdx.y % Cfg::kChunks;
   const int h0 = chunk * HV;  // this CTA's dK / dV / dQ columns
   const int b = blockIdx.z;
-  const int q_len = min(max(p.q_len[b], 0), p.T);
-  const int kv_len = min(max(p.kv_len[b], 0), p.S);
-  int m_lo, m_hi;
-  query_range<BM, BN>(k0, q_len, kv_len, p.mask, m_lo, m_hi);
-  const int n_m = m_hi - m_lo;
-  const int n_iters = n_m * p.group;  // (query head of the group, query tile) pairs, heads outer
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_kv, 1);
     for (int s = 0; s < ST; ++s) {
       mbar_init(&bar_full[s], 1);
       mbar_init(&bar_empty[s], kNumConsumerWG * kWarpgroupThreads);
@@ -180,17 +273,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / kWarpgroupThreads;
   if (wg == static_cast<int>(WarpRole::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
+    const BwdWork work = bwd_work<BM, BN>(p, b, k0);
+    const int m_lo = work.m_lo, n_m = work.n_m, n_iters = work.n_iters;
     if (threadIdx.x == 0 && n_iters > 0) {
       tma_prefetch_desc(&tm_q);
-      tma_prefetch_desc(&tm_k);
-      tma_prefetch_desc(&tm_v);
       tma_prefetch_desc(&tm_do);
-      mbar_arrive_expect_tx(bar_kv, 2 * Cfg::kKBytes);
-#pragma unroll
-      for (int c = 0; c < ATOMS; ++c) {
-        tma_load_4d(sK + c * BN * SW, &tm_k, bar_kv, c * SW, k0, kh, b);
-        tma_load_4d(sV + c * BN * SW, &tm_v, bar_kv, c * SW, k0, kh, b);
-      }
       for (int it = 0; it < n_iters; ++it) {
         const int s = it % ST;
         if (it >= ST) mbar_wait(&bar_empty[s], ((it / ST) & 1) ^ 1);
@@ -242,6 +329,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   setmaxnreg_inc<kConsumerRegs>();
+  const BwdWork work = bwd_work<BM, BN>(p, b, k0);
+  const int kv_len = work.kv_len, m_lo = work.m_lo, n_m = work.n_m, n_iters = work.n_iters;
   const int cw = wg - 1;  // keys [k0 + 64 cw, k0 + 64 cw + 64)
   const int t = threadIdx.x % kWarpgroupThreads;
   const int warp = t / 32, lane = t % 32;
@@ -254,7 +343,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     dv[i] = 0.f;
     dk[i] = 0.f;
   }
-  if (n_iters > 0) mbar_wait(bar_kv, 0);
+  if (n_iters > 0) {
+    dequant_kv_tile<H>(sK, sV, p, b, kh, k0, threadIdx.x - kWarpgroupThreads);
+    // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers
+    // (dQ = dS K reads all 128 keys of K): each writer fences its own stores, then the barrier.
+    // Barrier 1 again serves the dS^T stores of every query tile; all 256 threads pass this use
+    // before any reaches the next.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync 1, 256;" ::: "memory");
+  }
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV);
 
   for (int it = 0; it < n_iters; ++it) {

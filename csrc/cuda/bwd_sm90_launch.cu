@@ -1,5 +1,5 @@
 // Launcher of the sm_90a backward kernel: zeroes the dQ accumulator (and the deterministic-order
-// counters), builds the TMA tensor maps and launches one CTA per (128-key tile, kv head x column
+// counters), builds the TMA tensor maps (Q, dO, dQ; K and V are read as MX by the kernel) and launches one CTA per (128-key tile, kv head x column
 // chunk, batch), key tiles fastest so that tile j - 1 is resident before tile j waits on it.
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -22,7 +22,7 @@ template <int H>
 cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<H>;
   constexpr cuuint64_t RB = Cfg::kRowBytes;  // bf16 rows, described as bytes
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;
+  CUtensorMap tm_q, tm_do;
   auto rows_map = [&](CUtensorMap* m, const void* base, int L, int heads, int box_rows) {
     const cuuint64_t dims[4] = {RB, (cuuint64_t)L, (cuuint64_t)heads, (cuuint64_t)a.B};
     const cuuint64_t str[3] = {(cuuint64_t)heads * RB, RB, (cuuint64_t)L * heads * RB};
@@ -31,8 +31,6 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   };
   if (auto e = rows_map(&tm_q, a.q, a.T, a.N, Cfg::kBlockM); e != cudaSuccess) return e;
   if (auto e = rows_map(&tm_do, a.dout, a.T, a.N, Cfg::kBlockM); e != cudaSuccess) return e;
-  if (auto e = rows_map(&tm_k, a.k, a.S, a.Kh, Cfg::kBlockN); e != cudaSuccess) return e;
-  if (auto e = rows_map(&tm_v, a.v, a.S, a.Kh, Cfg::kBlockN); e != cudaSuccess) return e;
   // dQ as fp32 elements [B, T, N, H]: the writer's reduce-add box is 32 columns (128 bytes, the
   // 128B swizzle's row) x BM rows; rows past T are dropped by the TMA unit.
   CUtensorMap tm_dq;
@@ -48,7 +46,7 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   const int n_tiles = (a.S + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if ((int64_t)a.Kh * Cfg::kChunks > 65535) return cudaErrorInvalidValue;
   dim3 grid(n_tiles, a.Kh * Cfg::kChunks, a.B);
-  sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, tm_do, tm_dq, p);
+  sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_do, tm_dq, p);
   return cudaGetLastError();
 }
 
@@ -57,6 +55,9 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
 cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   if (a.Kh <= 0 || a.N % a.Kh != 0 || a.T_pad % kBwdBlockM != 0 || a.T_pad < a.T) return cudaErrorInvalidValue;
   if (a.B > 65535) return cudaErrorInvalidValue;
+  // The kernel reads K and V 16 bytes at a time (rows are H >= 64 bytes); the TMA maps of the bf16
+  // copies it replaced needed 16-byte aligned bases as well.
+  if ((reinterpret_cast<uintptr_t>(a.k8) | reinterpret_cast<uintptr_t>(a.v8)) % 16 != 0) return cudaErrorInvalidValue;
   const int num_m_blocks = (a.T + kBwdBlockM - 1) / kBwdBlockM;
   if (a.B == 0 || a.T == 0 || a.N == 0 || a.S == 0) return cudaSuccess;  // Python returns zeros
   if (cudaError_t e = cudaMemsetAsync(a.dq, 0, sizeof(float) * (size_t)a.B * a.T * a.N * a.H, stream); e != cudaSuccess)
@@ -68,6 +69,7 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   }
   BwdParams p{};
   p.B = a.B; p.T = a.T; p.S = a.S; p.N = a.N; p.Kh = a.Kh; p.H = a.H;
+  p.k8 = a.k8; p.ks = a.ks; p.v8 = a.v8; p.vs = a.vs;
   p.group = a.N / a.Kh;
   p.T_pad = a.T_pad;
   p.num_m_blocks = num_m_blocks;

@@ -245,30 +245,38 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
 
 
 // ---------------------------------------------------------------------------------------------
-// bwd: q, dout [..., T, N, H], k, v [..., S, Kh, H] bf16 (exact dequantized MX values); lse2, delta
-// [..., N, T_pad] f32 -> dq [..., T, N, H] f32, dk, dv [..., S, Kh, H] f32 / bf16 / f16 (both alike),
+// bwd: q, dout [..., T, N, H] bf16 (exact dequantized MX values); k8, v8 [..., S, Kh, H] e4m3 with
+// their E8M0 scale bytes ks, vs [..., S, Kh, H/32] (MX blocked along H: the kernel dequantizes them
+// into shared memory, so no bf16 copy of K or V is made); lse2, delta [..., N, T_pad] f32
+// -> dq [..., T, N, H] f32, dk, dv [..., S, Kh, H] f32 / bf16 / f16 (both alike),
 // sem [..., N, column chunks, ceil(T/64)] scratch.
-ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
-                   ffi::Buffer<ffi::F32> lse2, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
+ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi::Buffer<ffi::U8> ks,
+                   ffi::AnyBuffer v8, ffi::Buffer<ffi::U8> vs, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse2, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
                    ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
                    int64_t window_right, int64_t deterministic, ffi::Result<ffi::Buffer<ffi::F32>> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::Buffer<ffi::S32>> sem) {
-  for (const ffi::AnyBuffer* x : {&q, &k, &v, &dout})
+  for (const ffi::AnyBuffer* x : {&q, &dout})
     if (x->element_type() != ffi::DataType::BF16)
-      return ffi::Error::InvalidArgument("bwd: q, k, v and dout must be bfloat16 (exact MX values)");
-  Dims qd = q.dimensions(), kd = k.dimensions(), ld = lse2.dimensions();
+      return ffi::Error::InvalidArgument("bwd: q and dout must be bfloat16 (exact MX values)");
+  for (const ffi::AnyBuffer* x : {&k8, &v8})
+    if (x->element_type() != ffi::DataType::F8E4M3FN)
+      return ffi::Error::InvalidArgument("bwd: k8 and v8 must be float8_e4m3fn (MX data blocked along H)");
+  Dims qd = q.dimensions(), kd = k8.dimensions(), ld = lse2.dimensions();
   JAX_FA4_RETURN_IF_ERROR(check_rank(qd, 3, "bwd: q"));
-  JAX_FA4_RETURN_IF_ERROR(check_rank(kd, 3, "bwd: k"));
+  JAX_FA4_RETURN_IF_ERROR(check_rank(kd, 3, "bwd: k8"));
   JAX_FA4_RETURN_IF_ERROR(check_rank(ld, 2, "bwd: lse2"));
   const int64_t T = qd[qd.size() - 3], N = qd[qd.size() - 2], H = qd[qd.size() - 1], B = lead(qd, 3);
   const int64_t S = kd[kd.size() - 3], Kh = kd[kd.size() - 2];
   const int64_t T_pad = ld[ld.size() - 1];
-  if (kd[kd.size() - 1] != H || lead(kd, 3) != B || v.element_count() != k.element_count() ||
+  if (kd[kd.size() - 1] != H || lead(kd, 3) != B || v8.element_count() != k8.element_count() ||
       dout.element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("bwd: q " + dims_str(qd) + " and k " + dims_str(kd) + " (v, dout alike) do not agree");
+    return ffi::Error::InvalidArgument("bwd: q " + dims_str(qd) + " and k8 " + dims_str(kd) + " (v8, dout alike) do not agree");
   if (H != 64 && H != 128 && H != 256)
     return ffi::Error::InvalidArgument("bwd: head dim " + std::to_string(H) + " not in {64,128,256}");
+  if ((int64_t)ks.element_count() != (int64_t)k8.element_count() / 32 ||
+      (int64_t)vs.element_count() != (int64_t)v8.element_count() / 32)
+    return ffi::Error::InvalidArgument("bwd: ks / vs must hold one scale byte per 32 elements of k8 / v8 " + dims_str(kd));
   if (Kh <= 0 || N % Kh != 0)
     return ffi::Error::InvalidArgument("bwd: query heads " + std::to_string(N) + " not a multiple of kv heads " +
                                        std::to_string(Kh));
@@ -289,8 +297,10 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   BwdArgs a{};
   a.B = (int)B; a.T = (int)T; a.S = (int)S; a.N = (int)N; a.Kh = (int)Kh; a.H = (int)H; a.T_pad = (int)T_pad;
   a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
+  a.k8 = static_cast<const uint8_t*>(k8.untyped_data());
+  a.ks = ks.typed_data();
+  a.v8 = static_cast<const uint8_t*>(v8.untyped_data());
+  a.vs = vs.typed_data();
   a.dout = dout.untyped_data();
   a.lse2 = lse2.typed_data();
   a.delta = delta.typed_data();
@@ -387,8 +397,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaBwd, BwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()               // q [..., T, N, H] bf16 (q blocked along H, exact)
-                                  .Arg<ffi::AnyBuffer>()               // k [..., S, Kh, H] bf16
-                                  .Arg<ffi::AnyBuffer>()               // v [..., S, Kh, H] bf16
+                                  .Arg<ffi::AnyBuffer>()               // k8 [..., S, Kh, H] e4m3 (k blocked along H)
+                                  .Arg<ffi::Buffer<ffi::U8>>()         // ks [..., S, Kh, H/32] k8's scale bytes (E8M0)
+                                  .Arg<ffi::AnyBuffer>()               // v8 [..., S, Kh, H] e4m3 (v blocked along H)
+                                  .Arg<ffi::Buffer<ffi::U8>>()         // vs [..., S, Kh, H/32] v8's scale bytes (E8M0)
                                   .Arg<ffi::AnyBuffer>()               // dout [..., T, N, H] bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()        // lse2 [..., N, T_pad]
                                   .Arg<ffi::Buffer<ffi::F32>>()        // delta [..., N, T_pad]

@@ -52,8 +52,10 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream);
 struct BwdArgs {
   int B, T, S, N, Kh, H, T_pad;
   const void* q;         // [B, T, N, H] bf16, the exact values of q blocked along H
-  const void* k;         // [B, S, Kh, H] bf16 (k blocked along H)
-  const void* v;         // [B, S, Kh, H] bf16 (v blocked along H)
+  const uint8_t* k8;     // [B, S, Kh, H] e4m3, k blocked along H (16-byte aligned); the kernel
+  const uint8_t* ks;     // [B, S, Kh, H / 32] E8M0 bytes   dequantizes K and V into shared memory
+  const uint8_t* v8;     // [B, S, Kh, H] e4m3, v blocked along H (16-byte aligned)
+  const uint8_t* vs;     // [B, S, Kh, H / 32] E8M0 bytes
   const void* dout;      // [B, T, N, H] bf16 (dO blocked along H)
   const float* lse2;     // [B, N, T_pad] lse * log2(e), +inf for rows without keys and padding
   const float* delta;    // [B, N, T_pad] rowsum(O * dO), 0 past T

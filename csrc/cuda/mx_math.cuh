@@ -1,7 +1,9 @@
 // Scalar MX (OCP MXFP8, NUMERICS.md section 1) arithmetic on the device, bit-exact with
 // jax_fa4/mx.py: the e8m0 scale rule and exact power-of-two scaling. Shared by the preparation
-// kernels (mx_prep.cuh) and the backward's online dS quantization (bwd_sm90_kernel.cuh).
+// kernels (mx_prep.cuh) and the backward (bwd_sm90_kernel.cuh: the online dS quantization, and the
+// dequantization of K and V into its shared-memory tiles, which must match exact_rows bit for bit).
 #pragma once
+#include <cuda_bf16.h>
 #include <cstdint>
 #include "cuda/sm90_ptx.cuh"
 
@@ -78,6 +80,29 @@ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
+}
+
+// ---- MX -> bf16 (the exact-score operands). One function for exact_rows_kernel (mx_prep.cuh) and
+// the backward's K / V tiles (bwd_sm90_kernel.cuh), so that both produce the same bits by
+// construction: the backward's tiles must hold exactly what the TMA load of exact_rows' output held.
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Two words of packed e4m3 (8 elements, element i in byte i) on scale `byte` -> 8 bf16 (16 bytes,
+// element i in bf16 i).
+__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w0, uint32_t w1, uint32_t byte) {
+  uint32_t o[4];
+  const uint32_t w[2] = {w0, w1};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float2 a = jax_fa4::sm90::e4m3x2_to_float2((uint16_t)(w[i] & 0xffffu));
+    const float2 b = jax_fa4::sm90::e4m3x2_to_float2((uint16_t)(w[i] >> 16));
+    o[2 * i + 0] = bf16x2_bits(scale_up(a.x, byte), scale_up(a.y, byte));
+    o[2 * i + 1] = bf16x2_bits(scale_up(b.x, byte), scale_up(b.y, byte));
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 }  // namespace jax_fa4::prep

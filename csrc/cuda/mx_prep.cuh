@@ -552,27 +552,9 @@ __global__ void __launch_bounds__(kVtThreads) prep_v_transpose_kernel(
 // with quantize_mx_kernel's arithmetic, so both give bit for bit mx.quantize(x).dequantize(bf16).
 // Each thread handles 8 consecutive elements, so a warp reads and writes contiguous bytes (the
 // one-thread-per-block layout of quantize_mx_kernel strides its accesses by 32 elements); the 4
-// threads of a block combine their amax with two shuffles.
+// threads of a block combine their amax with two shuffles. The dequantization itself is
+// dequant8_bf16 (mx_math.cuh), which the backward kernel runs too when it fills its K and V tiles.
 constexpr int kExactPer = 8;
-
-__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// Two words of packed e4m3 (8 elements) on scale `byte` -> 8 bf16 (one 16-byte store).
-__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w0, uint32_t w1, uint32_t byte) {
-  uint32_t o[4];
-  const uint32_t w[2] = {w0, w1};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float2 a = e4m3x2_to_float2((uint16_t)(w[i] & 0xffffu));
-    const float2 b = e4m3x2_to_float2((uint16_t)(w[i] >> 16));
-    o[2 * i + 0] = bf16x2_bits(scale_up(a.x, byte), scale_up(a.y, byte));
-    o[2 * i + 1] = bf16x2_bits(scale_up(b.x, byte), scale_up(b.y, byte));
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
-}
 
 template <typename T, bool kFromFloat>
 __global__ void exact_rows_kernel(const T* __restrict__ x, const uint8_t* __restrict__ xs,

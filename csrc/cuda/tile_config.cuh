@@ -83,8 +83,9 @@ constexpr int kSeqPad = 128;
 
 
 // ---- backward (bwd_sm90_kernel.cuh) ----
-// One CTA = BN = 128 keys of one (batch, kv head): the producer warpgroup loads K and V once and
-// streams (Q, dO, lse, delta) tiles of BM = 64 queries; each consumer owns 64 keys (wgmma M = 64).
+// One CTA = BN = 128 keys of one (batch, kv head): the consumers dequantize K and V (MX in global
+// memory) into bf16 tiles once, the producer warpgroup streams (Q, dO, lse, delta) tiles of BM = 64
+// queries; each consumer owns 64 keys (wgmma M = 64).
 // Every product runs on bf16 wgmma over exact dequantized MX values (bwd_wgmma_ops.cuh).
 // Registers per consumer thread: dK and dV accumulators 64*HV/128 fp32 each, S^T and dP^T
 // 64*BM/128 each, dQ 64*64/128: HV = 128, BM = 64 -> 64 + 64 + 32 + 32 + 32 = 224 at the peak, so
