@@ -37,6 +37,7 @@ NP = 12  # points per tile in the buffer (11 used)
 def trace(scores: str, bits: int, H: int = 128, causal: bool = False) -> np.ndarray:
   os.environ["JAX_FA4_SM90_PIPELINE"] = str(bits)
   os.environ["JAX_FA4_SM90_PERSISTENT"] = "0"
+  os.environ["JAX_FA4_SM90_CONSUMERS"] = "2"  # the report below compares two consumers
   B, T, N = 2, 8192, 16
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
@@ -45,7 +46,7 @@ def trace(scores: str, bits: int, H: int = 128, causal: bool = False) -> np.ndar
   f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
   for _ in range(3):
     jax.block_until_ready(f(qm, km, vm))
-  t = np.asarray(ext.fwd_trace(), np.int64).reshape(2, 32, NP)[:, :, :11]
+  t = np.asarray(ext.fwd_trace(), np.int64).reshape(3, 32, NP)[:2, :, :11]  # [consumer (up to 3)][tile][point]
   return t
 
 

@@ -44,7 +44,7 @@ NB_MODULE(_jax_fa4_cuda, m) {
 #ifdef JAX_FA4_FWD_TRACE
   // Measurement builds only: [consumer][tile][point] clock64 values of the traced CTA, flattened.
   m.def("fwd_trace", []() {
-    static unsigned long long buf[2 * 32 * 12];
+    static unsigned long long buf[3 * 32 * 12];  // g_fwd_trace: up to 3 consumers
     const int err = jax_fa4_fwd_trace(buf);
     nb::list out;
     if (err != 0) return out;
