@@ -101,14 +101,11 @@ def _time(f, args):
   return time_fn(f, args, warmup=1) * 1e6
 
 
-def timings(results: dict, quick: bool = False) -> None:
-  # (persistent grids were slower than one CTA per work tile in every case on 2026-12-05: timed at 0 only)
-  variants = [(sc, bits, 0) for sc in ("exact", "fp8") for bits in (0, 2, 1, 3)]
-  variants += [("exact", 19, 0), ("exact", 32, 0), ("exact", 33, 0), ("exact", 0, 1)]
-  if quick:
-    variants = [("exact", 0, 0), ("exact", 32, 0), ("exact", 1, 0), ("exact", 33, 0), ("fp8", 0, 0), ("fp8", 32, 0)]
+def _shapes(results: dict, heads):
+  """Yields (H, causal, FLOPs, cuDNN bf16 us, MX q, k, v, lengths) for B=2, T=S=8192 (4096 at
+  H = 256), N=16, timing and recording the cuDNN bf16 baseline of each in this process."""
   print(f"device: {jax.devices()[0].device_kind}", flush=True)
-  for H in (128,) if quick else (128, 64, 256):
+  for H in heads:
     B, T, N = 2, 8192 if H <= 128 else 4096, 16
     keys = jax.random.split(jax.random.key(H), 3)
     q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
@@ -120,41 +117,38 @@ def timings(results: dict, quick: bool = False) -> None:
       base = _time(cud, (q, k, v))
       print(f"H={H} causal={causal}: cuDNN bf16 {base:.1f} us {fl / base / 1e6:.0f} TF/s", flush=True)
       results[f"H{H}_c{int(causal)}_cudnn_bf16"] = base
-      for scores, bits, pers in variants:
-        if H == 256 and bits & 1:
-          continue  # no overlapped loop at H = 256
-        _set(bits, pers)
-        f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
-        us = _time(f, (qm, km, vm))
-        results[f"H{H}_c{int(causal)}_{scores}_{bits}_p{pers}"] = us
-        print(f"   {scores:>5} variant {bits:>2} persistent {pers}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s ({base / us:.2f}x cuDNN bf16)",
-              flush=True)
+      yield H, causal, fl, base, (qm, km, vm), L
+
+
+def timings(results: dict, quick: bool = False) -> None:
+  # (persistent grids were slower than one CTA per work tile in every case on 2026-12-05: timed at 0 only)
+  variants = [(sc, bits, 0) for sc in ("exact", "fp8") for bits in (0, 2, 1, 3)]
+  variants += [("exact", 19, 0), ("exact", 32, 0), ("exact", 33, 0), ("exact", 0, 1)]
+  if quick:
+    variants = [("exact", 0, 0), ("exact", 32, 0), ("exact", 1, 0), ("exact", 33, 0), ("fp8", 0, 0), ("fp8", 32, 0)]
+  for H, causal, fl, base, mxs, L in _shapes(results, (128,) if quick else (128, 64, 256)):
+    for scores, bits, pers in variants:
+      if H == 256 and bits & 1:
+        continue  # no overlapped loop at H = 256
+      _set(bits, pers)
+      f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal, scores=scores))
+      us = _time(f, mxs)
+      results[f"H{H}_c{int(causal)}_{scores}_{bits}_p{pers}"] = us
+      print(f"   {scores:>5} variant {bits:>2} persistent {pers}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s ({base / us:.2f}x cuDNN bf16)",
+            flush=True)
   _set(0)
 
 
 def consumer_timings(results: dict) -> None:
   """Two vs three consumer warpgroups (JAX_FA4_SM90_CONSUMERS; exact scores, H = 64 and 128)."""
-  print(f"device: {jax.devices()[0].device_kind}", flush=True)
-  for H in (128, 64):
-    B, T, N = 2, 8192, 16
-    keys = jax.random.split(jax.random.key(H), 3)
-    q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in keys)
-    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
-    L = jnp.full((B,), T, jnp.int32)
-    for causal in (False, True):
-      fl = 4 * B * T * T * N * H * (0.5 if causal else 1)
-      cud = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
-      base = _time(cud, (q, k, v))
-      print(f"H={H} causal={causal}: cuDNN bf16 {base:.1f} us {fl / base / 1e6:.0f} TF/s", flush=True)
-      results[f"H{H}_c{int(causal)}_cudnn_bf16"] = base
-      variants = [(0, 2), (1, 2), (0, 3)] + ([(1, 3)] if H == 64 else [])
-      for bits, cons in variants:
-        _set(bits, 0, cons)
-        f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal))
-        us = _time(f, (qm, km, vm))
-        results[f"H{H}_c{int(causal)}_exact_{bits}_cons{cons}"] = us
-        print(f"   exact variant {bits} consumers {cons}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s "
-              f"({base / us:.2f}x cuDNN bf16)", flush=True)
+  for H, causal, fl, base, mxs, L in _shapes(results, (128, 64)):
+    for bits, cons in [(0, 2), (1, 2), (0, 3)] + ([(1, 3)] if H == 64 else []):
+      _set(bits, 0, cons)
+      f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal))
+      us = _time(f, mxs)
+      results[f"H{H}_c{int(causal)}_exact_{bits}_cons{cons}"] = us
+      print(f"   exact variant {bits} consumers {cons}: {us:8.1f} us {fl / us / 1e6:5.0f} TF/s "
+            f"({base / us:.2f}x cuDNN bf16)", flush=True)
   _set(0)
 
 
