@@ -1,6 +1,7 @@
 // Launcher of the sm_90a backward kernel: zeroes the dQ accumulator (and the deterministic-order
-// counters), builds the TMA tensor maps (Q, dO, dQ; K and V are read as MX by the kernel) and launches one CTA per (128-key tile, kv head x column
-// chunk, batch), key tiles fastest so that tile j - 1 is resident before tile j waits on it.
+// counters), builds the TMA tensor maps (Q, dO, dQ; the kernel reads K and V as MX itself) and
+// launches one CTA per (128-key tile, kv head x column chunk, batch), key tiles fastest so that
+// tile j - 1 is resident before tile j waits on it.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include "cuda/bwd_sm90_kernel.cuh"

@@ -251,8 +251,8 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
 // -> dq [..., T, N, H] f32, dk, dv [..., S, Kh, H] f32 / bf16 / f16 (both alike),
 // sem [..., N, column chunks, ceil(T/64)] scratch.
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi::Buffer<ffi::U8> ks,
-                   ffi::AnyBuffer v8, ffi::Buffer<ffi::U8> vs, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse2, ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len,
-                   ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
+                   ffi::AnyBuffer v8, ffi::Buffer<ffi::U8> vs, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse2,
+                   ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
                    int64_t window_right, int64_t deterministic, ffi::Result<ffi::Buffer<ffi::F32>> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::Buffer<ffi::S32>> sem) {

@@ -12,7 +12,6 @@ enum class WarpRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 constexpr int kWarpgroupThreads = 128;
 constexpr int kNumConsumerWG = 2;
 constexpr int kThreads = (1 + kNumConsumerWG) * kWarpgroupThreads;  // 384
-constexpr int kBlockM = 64 * kNumConsumerWG;                        // 128 query rows per CTA
 
 // Registers after setmaxnreg: 24 for the producer (it only runs one elected TMA thread) and 240
 // for the consumers. 128*24 + 256*240 = 64512 <= 65536 registers of one SM, so one CTA fits.
@@ -31,19 +30,19 @@ static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThr
 // Either way one wgmma k-step consumes 32 bytes of a row (k32 e4m3 or k16 bf16), so the swizzled
 // layout, the descriptors and their per-step advance are the same code with rows kQKBytes*H long.
 //
-// kCons: consumer warpgroups per CTA (query rows = 64 * kCons). 2 by default; 3 at H = 64 as an
-// option (FA3's 192-row tile at H <= 64): the softmax of a key tile is a latency chain run by one warp
-// per scheduler per consumer (docs/HOPPER_FORWARD.md, "Where the time goes"), so a third consumer
-// gives each scheduler a third chain to interleave. Registers then: 128*24 + 384*160 = 64512, and
-// the sequential loop at H = 64 needs O 32 + S 64 + P 16 (+ the tile O 32 once S is dead) = 112.
+// kCons: consumer warpgroups per CTA (query rows = 64 * kCons): 2, or 3 (FA3's 192-row tile; the
+// launcher's default for exact scores at H <= 128): the softmax of a key tile is a latency chain run
+// by one warp per scheduler per consumer (docs/HOPPER_FORWARD.md, "Where the time goes"), so a third
+// consumer gives each scheduler a third chain to interleave. Registers then: 128*24 + 384*160 =
+// 64512; the sequential loop needs O 32 + S 64 + P 16 = 112 at H = 64, and O 64 + S 64 + P 16 = 144
+// at H = 128 with P V in two N = 64 halves (fwd_sm90_mainloop.cuh).
 template <int H, int kQKBytes = 1, int kCons = kNumConsumerWG> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
   static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
   static_assert(kCons == 2 || (kCons == 3 && H <= 128), "3 consumer warpgroups fit the register file at H <= 128 only");
-  static constexpr int kConsumers = kCons;
   static constexpr int kBM = 64 * kCons;  // query rows per CTA
   static constexpr int kThreads = (1 + kCons) * kWarpgroupThreads;
-  static constexpr int kConsumerRegs = kCons == 2 ? 240 : 160;
+  static constexpr int kConsumerRegs = kCons == kNumConsumerWG ? sm90::kConsumerRegs : 160;
   static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <= 65536,
                 "register split exceeds the register file");
   static constexpr int kHeadDim = H;
