@@ -33,7 +33,7 @@ HEAD_DIMS = (64, 128, 256)
 SEQ_PAD = 128  # V^T rows and the key scales are padded to this (csrc/cuda/tile_config.cuh kSeqPad)
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-_MAX_GRID_YZ = 65535  # the kernel's grid is (T/128, N, B): gridDim.y/z limits
+_MAX_GRID_YZ = 65535  # gridDim.y/z limit: the backward and prep_v grids put (kv) heads in y, the batch in z
 
 _T_QUANTIZE = "jax_fa4_cuda_quantize"
 _T_PREP_ROWS_MX = "jax_fa4_cuda_prep_rows_mx"

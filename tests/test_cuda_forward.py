@@ -310,6 +310,9 @@ def _prep_v_model(vm, kl, s_pad):
     (1, 1023, 1, 256, (1000,)),
     (2, 300, 2, 128, (400, 129)),  # kv_len past S is clamped
     (1, 4096, 2, 64, (4000,)),
+    # Long enough for prep_v_colscale_kernel's unpredicated rounds (8 loads in flight per thread).
+    (1, 4600, 1, 256, (4500,)),
+    (1, 16500, 1, 64, (16400,)),
 ])
 def test_prep_v_bit_exact(B, S, K, H, lens):
   rng = np.random.default_rng(_SEED)

@@ -163,7 +163,9 @@ ffi::Error PrepVImpl(cudaStream_t stream, ffi::AnyBuffer v, ffi::Buffer<ffi::U8>
   Dims td = vt->dimensions();
   JAX_FA4_RETURN_IF_ERROR(check_rank(td, 3, "prep_v: vt"));
   const int64_t S_pad = td[td.size() - 1];
-  if (HD % 64 != 0 || S_pad % kSeqPad != 0 || S_pad < S || td[td.size() - 2] != HD || td[td.size() - 3] != Kh ||
+  if (HD != 64 && HD != 128 && HD != 256)
+    return ffi::Error::InvalidArgument("prep_v: head dim " + std::to_string(HD) + " must be 64, 128 or 256");
+  if (S_pad % kSeqPad != 0 || S_pad < S || td[td.size() - 2] != HD || td[td.size() - 3] != Kh ||
       lead(td, 3) != B)
     return ffi::Error::InvalidArgument("prep_v: vt " + dims_str(td) + " does not match v " + dims_str(d));
   if ((int64_t)vscale.element_count() != B * ((S + 31) / 32) * Kh * HD)

@@ -101,8 +101,13 @@ cudaError_t launch_prep_v(const uint8_t* v, const uint8_t* vscale, const int32_t
                           int B, int S, int Kh, int HD, int S_pad, cudaStream_t stream) {
   if (HD % prep::kVtCols != 0 || S_pad % prep::kVtKeys != 0) return cudaErrorInvalidValue;
   if (B == 0 || Kh == 0) return cudaSuccess;
-  dim3 g1((HD + 31) / 32, Kh, B), b1(32, 8);
-  prep::prep_v_colscale_kernel<<<g1, b1, 0, stream>>>(vscale, kv_len, vs, S, Kh, HD);
+  const dim3 g1(Kh, B);
+  switch (HD) {
+    case 64: prep::prep_v_colscale_kernel<64><<<g1, prep::kColThreads, 0, stream>>>(vscale, kv_len, vs, S, Kh); break;
+    case 128: prep::prep_v_colscale_kernel<128><<<g1, prep::kColThreads, 0, stream>>>(vscale, kv_len, vs, S, Kh); break;
+    case 256: prep::prep_v_colscale_kernel<256><<<g1, prep::kColThreads, 0, stream>>>(vscale, kv_len, vs, S, Kh); break;
+    default: return cudaErrorInvalidValue;
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (S_pad == 0) return cudaSuccess;
