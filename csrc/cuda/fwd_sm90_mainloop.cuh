@@ -421,8 +421,53 @@ __global__ void __launch_bounds__(TileConfig<H, kExact ? 2 : 1, kCons>::kThreads
       constexpr int NSPLIT = (H == 256 || (H == 128 && kCons == 3)) ? 2 : 1;
       constexpr int HN = H / NSPLIT;
       pp_sync();  // the P V block: both halves at H = 256
+      // H = 128 with three consumers: both halves issued back to back (two 32-register tile
+      // accumulators, S being dead by now), then the first half's O update runs on the CUDA cores
+      // while the tensor cores finish the second half. H = 256 cannot hold two 64-register halves.
+      constexpr bool kBothHalves = H == 128 && kCons == 3;
+      if constexpr (kBothHalves) {
+        float ot0[HN / 2], ot1[HN / 2];
 #pragma unroll
-      for (int h = 0; h < NSPLIT; ++h) {
+        for (int i = 0; i < HN / 2; ++i) {
+          reg_fence(ot0[i]);
+          reg_fence(ot1[i]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 32; ++kk)
+          Wgmma<HN>::rs(ot0, pa[kk], desc_from_lo<SWV>(v_lo + ((kk * 32) >> 4)), kk > 0 ? 1 : 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < BN / 32; ++kk)
+          Wgmma<HN>::rs(ot1, pa[kk], desc_from_lo<SWV>(v_lo + ((HN * SWV + kk * 32) >> 4)), kk > 0 ? 1 : 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+#pragma unroll
+        for (int i = 0; i < HN / 2; ++i) reg_fence(ot0[i]);
+#pragma unroll
+        for (int j = 0; j < HN / 8; ++j) {
+          float* oj = o + j * 4;
+          oj[0] = fmaf(oj[0], alpha0, ot0[j * 4 + 0]);
+          oj[1] = fmaf(oj[1], alpha0, ot0[j * 4 + 1]);
+          oj[2] = fmaf(oj[2], alpha1, ot0[j * 4 + 2]);
+          oj[3] = fmaf(oj[3], alpha1, ot0[j * 4 + 3]);
+        }
+        pp_arrive(it == n_tiles - 1);
+        wgmma_wait<0>();
+        JAX_FA4_TRACE(it, 9);
+#pragma unroll
+        for (int i = 0; i < HN / 2; ++i) reg_fence(ot1[i]);
+#pragma unroll
+        for (int j = 0; j < HN / 8; ++j) {
+          float* oj = o + (HN / 8 + j) * 4;
+          oj[0] = fmaf(oj[0], alpha0, ot1[j * 4 + 0]);
+          oj[1] = fmaf(oj[1], alpha0, ot1[j * 4 + 1]);
+          oj[2] = fmaf(oj[2], alpha1, ot1[j * 4 + 2]);
+          oj[3] = fmaf(oj[3], alpha1, ot1[j * 4 + 3]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < (kBothHalves ? 0 : NSPLIT); ++h) {
         float ot[HN / 2];
 #pragma unroll
         for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
