@@ -35,7 +35,8 @@ static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThr
 // by one warp per scheduler per consumer (docs/HOPPER_FORWARD.md, "Where the time goes"), so a third
 // consumer gives each scheduler a third chain to interleave. Registers then: 128*24 + 384*160 =
 // 64512; the sequential loop needs O 32 + S 64 + P 16 = 112 at H = 64, and O 64 + S 64 + P 16 = 144
-// at H = 128 with P V in two N = 64 halves (fwd_sm90_mainloop.cuh).
+// at H = 128 with P V in two N = 64 halves, both in flight once S is dead (O 64 + P 16 + 2 x 32;
+// fwd_sm90_mainloop.cuh).
 template <int H, int kQKBytes = 1, int kCons = kNumConsumerWG> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
   static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
