@@ -4,12 +4,7 @@
 # Logs and JSON go to $OUT (default ./gpu_out). Env: TRAIN_STEPS (300), TRAIN_LIMIT (seconds of
 # training per run, 120), TRAIN_TIMEOUT (per run, 200).
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+source "$(dirname "$0")/gpu_env.sh"
 log "$(nvidia-smi -L 2>/dev/null | head -1)"
 for att in jax_fa4 cudnn; do
   log "train $att"

@@ -4,11 +4,7 @@
 # table of the instructions where the consumer warps stall most. Logs go to $OUT.
 #   scripts/ncu_fwd_source.sh [exact:0:0 fp8:0:0 ...]
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_env.sh"
 cat > /tmp/fa4_prof1.py <<'PY'
 import os, sys, jax, jax.numpy as jnp
 from jax_fa4 import _cuda_ops as co, mx
