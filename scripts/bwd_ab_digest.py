@@ -8,6 +8,9 @@ TMA-loading bf16 copies; its outputs must be bitwise those of main. Run this scr
   python scripts/bwd_ab_digest.py --compare /tmp/main.json /tmp/branch.json
 deterministic=True, so dQ's cross-tile adds are ordered and every output is reproducible. Only
 APIs present on both sides are used (_cuda_ops.forward_mx / backward, mx.quantize).
+With --time, the JSON also gets the backward kernel's time (co.backward alone, default
+non-deterministic dQ) at B=2, T=S=8192, N=16, H=128, causal and not, so that two builds run in
+alternating processes give an A/B of their speed.
 """
 import hashlib
 import json
@@ -19,10 +22,13 @@ import numpy as np
 
 def _compare(a_path, b_path):
   a, b = json.load(open(a_path)), json.load(open(b_path))
-  bad = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  keys = sorted(k for k in set(a) | set(b) if "/" in k)  # digests only (not the timings)
+  bad = [k for k in keys if a.get(k) != b.get(k)]
+  for k in sorted(set(a) - set(keys)):
+    print(f"{k}: {a.get(k)} vs {b.get(k)}")
   for k in bad:
     print(f"DIFFER {k}: {a.get(k)} vs {b.get(k)}")
-  print(f"{len(a)} vs {len(b)} digests, {len(bad)} differ")
+  print(f"{len(keys)} digests, {len(bad)} differ")
   return 1 if bad else 0
 
 
@@ -64,7 +70,38 @@ def main(out_path):
   json.dump(out, open(out_path, "w"), indent=1, sort_keys=True)
 
 
+def timings(out_path):
+  import pathlib
+  import jax
+  import jax.numpy as jnp
+  from jax_fa4 import _cuda_ops as co, mx
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+  from bench_backward_gpu import time_fn
+
+  B, T, N, H = 2, 8192, 16, 128
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in ks)
+  L = jnp.full((B,), T, jnp.int32)
+  qm, km, vm, dom = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 3), mx.quantize(do, 3)
+  res = {"device": jax.devices()[0].device_kind}
+  for causal in (False, True):
+    o, lse = co.forward_mx(qm, km, mx.quantize(v, 1), L, L, scale=H ** -0.5, is_causal=causal)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
+    f = jax.jit(lambda a, b, c, d, l, dl: co.backward(a, b, c, d, l, dl, L, L, scale=H ** -0.5, is_causal=causal,
+                                                      dkv_dtype=jnp.bfloat16))
+    us = time_fn(f, (qm, km, vm, dom, lse, delta)) * 1e6
+    fl = 2.5 * 4 * B * T * T * N * H * (0.5 if causal else 1)
+    res[f"bwd_us_causal{int(causal)}"] = us
+    print(f"backward (co.backward, MX operands) B{B} T=S={T} N{N} H{H} causal={causal}: {us:.1f} us, "
+          f"{fl / us / 1e6:.0f} TFLOP/s", flush=True)
+  d = json.load(open(out_path))
+  d.update(res)
+  json.dump(d, open(out_path, "w"), indent=1, sort_keys=True)
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "--compare":
     sys.exit(_compare(sys.argv[2], sys.argv[3]))
   main(sys.argv[1])
+  if "--time" in sys.argv[2:]:
+    timings(sys.argv[1])

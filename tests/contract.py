@@ -46,12 +46,14 @@ def contract_bound(recipe_err: float, bf16_err: float) -> float:
   return 1.05 * recipe_err + 1e-3 * bf16_err
 
 
-def assert_contract(name: str, impl, recipe, bf16, truth):
-  """Asserts the contract for one tensor; returns (impl_err, recipe_err, bf16_err)."""
+def assert_contract(name: str, impl, recipe, bf16, truth, seed=None):
+  """Asserts the contract for one tensor; returns (impl_err, recipe_err, bf16_err). `seed`: the
+  inputs' seed, named in the failure message so that the case can be replayed."""
   e_impl, e_rec, e_bf16 = rel_err(impl, truth), rel_err(recipe, truth), rel_err(bf16, truth)
   bound = contract_bound(e_rec, e_bf16)
   assert e_impl <= bound, (f"{name}: rel_err(impl)={e_impl:.4g} > 1.05*rel_err(recipe)="
-                           f"{e_rec:.4g} + 1e-3*rel_err(bf16)={e_bf16:.4g} (bound {bound:.4g})")
+                           f"{e_rec:.4g} + 1e-3*rel_err(bf16)={e_bf16:.4g} (bound {bound:.4g})"
+                           + ("" if seed is None else f" [inputs' seed {seed}]"))
   return e_impl, e_rec, e_bf16
 
 

@@ -129,6 +129,18 @@ __device__ __forceinline__ int first_key_tile(int m0, MaskParams mk) {
   return lo <= 0 ? 0 : (int)(lo / BN);
 }
 
+// 0 for this thread's accumulator elements (S^T / dS^T layout: element 4 j + e is key
+// key_loc[(e >> 1) & 1], query m0 + 8 j + 2 tq + (e & 1)) that the mask removes. Boundary tiles only.
+template <int BM>
+__device__ __forceinline__ void mask_zero(float* x, int m0, int k0, const int* key_loc, int kv_len, MaskParams mk,
+                                          int tq) {
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (!key_allowed(m0 + 8 * j + 2 * tq + (e & 1), k0 + key_loc[(e >> 1) & 1], kv_len, mk)) x[4 * j + e] = 0.f;
+}
+
 // The CTA's work: the query tiles [m_lo, m_lo + n_m) that meet its key tile, for each of the
 // group's query heads (n_iters pairs, heads outer). Each role computes it after its setmaxnreg:
 // computed once before the role split, n_iters left the uniform registers at H = 256 once the
@@ -336,6 +348,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = t / 32, lane = t % 32;
   const int gid = lane / 4, tq = lane % 4;
   const int key_loc[2] = {cw * 64 + warp * 16 + gid, cw * 64 + warp * 16 + gid + 8};  // within the tile
+  // This thread's dS^T row offsets (key * 128 bytes) with its swizzle chunk base: key & 7 == gid, so
+  // chunk j of the row sits at ds_row ^ (j << 4) (bits 4..6 hold only the chunk; SW == 128).
+  const uint32_t ds_row[2] = {(uint32_t)(key_loc[0] * SW + (gid << 4) + tq * 4),
+                              (uint32_t)(key_loc[1] * SW + (gid << 4) + tq * 4)};
+  static_assert(SW == 128 && BM / 8 <= 8, "dS^T rows are one 128-byte swizzle row of <= 8 chunks");
+  static_assert((Cfg::kDSBytes & (Cfg::kDSBytes - 1)) == 0 && Cfg::kDSBytes >= BN * SW,
+                "the dS^T buffer index is XORed into the row offsets: a power of two above them");
 
   float dv[HV / 2], dk[HV / 2];
 #pragma unroll
@@ -399,17 +418,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < BM / 8; ++j) {
       const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * j + 2 * tq);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float lv = (e & 1) ? l2.y : l2.x;
-        float pv = exp2_approx(fmaf(sc[4 * j + e], p.scale_log2, -lv));
-        if (!full) {
-          const int row = m0 + 8 * j + 2 * tq + (e & 1);
-          const int key = k0 + key_loc[(e >> 1) & 1];
-          if (!key_allowed(row, key, kv_len, p.mask)) pv = 0.f;
-        }
-        sc[4 * j + e] = pv;
-      }
+      for (int e = 0; e < 4; ++e)
+        sc[4 * j + e] = exp2_approx(fmaf(sc[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
     }
+    // The mask as one branch around its own loop: tested per element inside the loop above, it
+    // compiled to a branch per element (32 taken branches per tile on full tiles).
+    if (!full) mask_zero<BM>(sc, m0, k0, key_loc, kv_len, p.mask, tq);
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
@@ -444,16 +458,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < BM / 8; ++j) {
       const float2 d2 = *reinterpret_cast<const float2*>(del_s + 8 * j + 2 * tq);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float ds = sc[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-        if (!full) {
-          const int row = m0 + 8 * j + 2 * tq + (e & 1);
-          const int key = k0 + key_loc[(e >> 1) & 1];
-          if (!key_allowed(row, key, kv_len, p.mask)) ds = 0.f;
-        }
-        dp[4 * j + e] = ds;
-      }
+      for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
     }
+    if (!full) mask_zero<BM>(dp, m0, k0, key_loc, kv_len, p.mask, tq);
     // ---- dS rounded as the recipe rounds it (NUMERICS.md section 3): MX e4m3 blocked along T for
     // dK = dS^T Q (here) and along S for dQ = dS K (below, while dK runs), held as the exact bf16
     // values of that rounding. The kernel first kept dS in bf16, finer than the recipe; on outlier
@@ -466,13 +473,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kh2 = 0; kh2 < 2; ++kh2)
 #pragma unroll
       for (int qb = 0; qb < BM / 32; ++qb) {
-        uint32_t am = 0u;
+        // (the block max as floats: prep::abs_max says why that equals the integer route here)
+        float amf[2];
 #pragma unroll
-        for (int j = 4 * qb; j < 4 * qb + 4; ++j)
-          am = max(am, max(prep::abs_bits(dp[4 * j + 2 * kh2]), prep::abs_bits(dp[4 * j + 2 * kh2 + 1])));
-        am = max(am, __shfl_xor_sync(0xffffffffu, am, 1));
-        am = max(am, __shfl_xor_sync(0xffffffffu, am, 2));
-        const prep::MxScale st = prep::mx_scale_of_byte(prep::online_scale_byte(am));
+        for (int h = 0; h < 2; ++h) {
+          const float* a = dp + 4 * (4 * qb + 2 * h) + 2 * kh2;  // j = 4 qb + 2 h, then j + 1 (a + 4)
+          amf[h] = fmaxf(prep::abs_max(a[0], a[1]), prep::abs_max(a[4], a[5]));
+        }
+        float am = fmaxf(amf[0], amf[1]);
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        const prep::MxScale st = prep::mx_scale_of_byte(prep::online_scale_byte(__float_as_uint(am)));
 #pragma unroll
         for (int j = 4 * qb; j < 4 * qb + 4; ++j) {
           const float2 v = prep::mx_round2(dp[4 * j + 2 * kh2], dp[4 * j + 2 * kh2 + 1], st);
@@ -500,8 +511,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t bw[BM / 8];
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
-      const uint32_t b0 = prep::online_scale_byte(max(prep::abs_bits(dp[4 * j]), prep::abs_bits(dp[4 * j + 2])));
-      const uint32_t b1 = prep::online_scale_byte(max(prep::abs_bits(dp[4 * j + 1]), prep::abs_bits(dp[4 * j + 3])));
+      const uint32_t b0 = prep::online_scale_byte(__float_as_uint(prep::abs_max(dp[4 * j], dp[4 * j + 2])));
+      const uint32_t b1 = prep::online_scale_byte(__float_as_uint(prep::abs_max(dp[4 * j + 1], dp[4 * j + 3])));
       uint32_t w = b0 | (b1 << 16);
       w = prep::max_u16x2(w, __shfl_xor_sync(0xffffffffu, w, 4));
       w = prep::max_u16x2(w, __shfl_xor_sync(0xffffffffu, w, 8));
@@ -526,15 +537,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Values dp[4 j + 2 kh2 + {0, 1}] are (key key_loc[kh2], queries 8 j + 2 tq + {0, 1}): 16-byte
     // chunk j of the key's row.
     uint8_t* ds_buf = sdS + (it & 1) * Cfg::kDSBytes;
+    // This tile's buffer folded into the row offsets: kDSBytes is a power of two above every offset.
+    const uint32_t ds_off[2] = {ds_row[0] ^ ((it & 1) * Cfg::kDSBytes), ds_row[1] ^ ((it & 1) * Cfg::kDSBytes)};
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
       const prep::MxScale s0 = prep::mx_scale_of_byte(bw[j] & 0xffffu), s1 = prep::mx_scale_of_byte(bw[j] >> 16);
 #pragma unroll
       for (int kh2 = 0; kh2 < 2; ++kh2) {
         const float2 e = e4m3x2_to_float2(cvt_e4m3x2(dp[4 * j + 2 * kh2] * s0.down, dp[4 * j + 2 * kh2 + 1] * s1.down));
-        const int key = key_loc[kh2];
-        const uint32_t off = key * SW + ((j ^ (key & 7)) << 4) + tq * 4;
-        *reinterpret_cast<uint32_t*>(ds_buf + off) = pack_bf16x2(e.x * s0.up, e.y * s1.up);
+        // key * SW + ((j ^ (key & 7)) << 4) + tq * 4, as one XOR of j into bits 4..6 of ds_row
+        *reinterpret_cast<uint32_t*>(sdS + (ds_off[kh2] ^ (j << 4))) = pack_bf16x2(e.x * s0.up, e.y * s1.up);
       }
     }
     // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers.

@@ -50,6 +50,13 @@ __device__ __forceinline__ float scale_up(float x, uint32_t byte) {
 // exceed +inf's), so block maxima are integer maxima.
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
+// max(|a|, |b|) as a float: one FMNMX with |.| operands where the integer route (abs_bits, then an
+// integer max) takes three instructions. Equal to it unless a value is NaN: fmaxf returns the other
+// operand (NaN only when both are), so a block holding a NaN gets the scale of its finite values
+// instead of 253. Every product summed over such a block is NaN either way (the NaN element stays
+// NaN through the e4m3 rounding), so the backward's outputs are the same.
+__device__ __forceinline__ float abs_max(float a, float b) { return fmaxf(fabsf(a), fabsf(b)); }
+
 // The scale byte of a block from its amax bits, branch-free: v = amax * fp32(1/448); adding 2^23 - 1
 // to v's bits carries into the exponent exactly when the mantissa is non-zero (the rule's round-up).
 // Clamped to 253 so that both 2^(127 - byte) and 2^(byte - 127) are normal floats. It agrees with
