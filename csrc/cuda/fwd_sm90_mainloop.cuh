@@ -41,6 +41,22 @@ __device__ unsigned long long g_fwd_trace[3][kTraceTiles][kTracePoints];  // up 
 #define JAX_FA4_TRACE(it, k) do {} while (0)
 #endif
 
+// Two-level O accumulation (below: why): o = o * alpha + t for N output columns of a tile's P V
+// accumulator t (wgmma m64nN layout: elements 4 j, 4 j + 1 on row gid, 4 j + 2, 4 j + 3 on gid + 8).
+// The fence first: t was written by the wgmma just waited on.
+template <int N>
+__device__ __forceinline__ void add_tile_to_o(float* o, float* t, float a0, float a1) {
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) reg_fence(t[i]);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    o[j * 4 + 0] = fmaf(o[j * 4 + 0], a0, t[j * 4 + 0]);
+    o[j * 4 + 1] = fmaf(o[j * 4 + 1], a0, t[j * 4 + 1]);
+    o[j * 4 + 2] = fmaf(o[j * 4 + 2], a1, t[j * 4 + 2]);
+    o[j * 4 + 3] = fmaf(o[j * 4 + 3], a1, t[j * 4 + 3]);
+  }
+}
+
 // kPipe selects the experimental overlapped consumer loop (a separate instantiation, so the default
 // kernel's register allocation does not carry the variants' pressure). kCons: consumer warpgroups
 // (tile_config.cuh TileConfig says when 3).
@@ -276,17 +292,7 @@ __global__ void __launch_bounds__(TileConfig<H, kExact ? 2 : 1, kCons>::kThreads
           }
           wgmma_commit();
         };
-        auto finish_pv = [&](float a0, float a1) {
-#pragma unroll
-          for (int i = 0; i < H / 2; ++i) reg_fence(ot[i]);
-#pragma unroll
-          for (int j = 0; j < H / 8; ++j) {
-            o[j * 4 + 0] = fmaf(o[j * 4 + 0], a0, ot[j * 4 + 0]);
-            o[j * 4 + 1] = fmaf(o[j * 4 + 1], a0, ot[j * 4 + 1]);
-            o[j * 4 + 2] = fmaf(o[j * 4 + 2], a1, ot[j * 4 + 2]);
-            o[j * 4 + 3] = fmaf(o[j * 4 + 3], a1, ot[j * 4 + 3]);
-          }
-        };
+        auto finish_pv = [&](float a0, float a1) { add_tile_to_o<H>(o, ot, a0, a1); };
         // Prologue: tile 0. (sp, php): the previous key tile's stage and phase; (s, ph): this one's.
         int sp = s_first, s = s_first;
         uint32_t php = ph_first, ph = ph_first;
@@ -442,29 +448,10 @@ __global__ void __launch_bounds__(TileConfig<H, kExact ? 2 : 1, kCons>::kThreads
           Wgmma<HN>::rs(ot1, pa[kk], desc_from_lo<SWV>(v_lo + ((HN * SWV + kk * 32) >> 4)), kk > 0 ? 1 : 0);
         wgmma_commit();
         wgmma_wait<1>();
-#pragma unroll
-        for (int i = 0; i < HN / 2; ++i) reg_fence(ot0[i]);
-#pragma unroll
-        for (int j = 0; j < HN / 8; ++j) {
-          float* oj = o + j * 4;
-          oj[0] = fmaf(oj[0], alpha0, ot0[j * 4 + 0]);
-          oj[1] = fmaf(oj[1], alpha0, ot0[j * 4 + 1]);
-          oj[2] = fmaf(oj[2], alpha1, ot0[j * 4 + 2]);
-          oj[3] = fmaf(oj[3], alpha1, ot0[j * 4 + 3]);
-        }
-        pp_arrive(it == n_tiles - 1);
-        wgmma_wait<0>();
+        add_tile_to_o<HN>(o, ot0, alpha0, alpha1);
+        wgmma_wait<0>();  // (no ping-pong arrive: ping-pong is for two consumers)
         JAX_FA4_TRACE(it, 9);
-#pragma unroll
-        for (int i = 0; i < HN / 2; ++i) reg_fence(ot1[i]);
-#pragma unroll
-        for (int j = 0; j < HN / 8; ++j) {
-          float* oj = o + (HN / 8 + j) * 4;
-          oj[0] = fmaf(oj[0], alpha0, ot1[j * 4 + 0]);
-          oj[1] = fmaf(oj[1], alpha0, ot1[j * 4 + 1]);
-          oj[2] = fmaf(oj[2], alpha1, ot1[j * 4 + 2]);
-          oj[3] = fmaf(oj[3], alpha1, ot1[j * 4 + 3]);
-        }
+        add_tile_to_o<HN>(o + HN / 2, ot1, alpha0, alpha1);
       }
 #pragma unroll
       for (int h = 0; h < (kBothHalves ? 0 : NSPLIT); ++h) {
@@ -481,16 +468,7 @@ __global__ void __launch_bounds__(TileConfig<H, kExact ? 2 : 1, kCons>::kThreads
         if (h == NSPLIT - 1) pp_arrive(it == n_tiles - 1);
         wgmma_wait<0>();
         if (h == NSPLIT - 1) JAX_FA4_TRACE(it, 9);
-#pragma unroll
-        for (int i = 0; i < HN / 2; ++i) reg_fence(ot[i]);
-#pragma unroll
-        for (int j = 0; j < HN / 8; ++j) {
-          float* oj = o + (h * (HN / 8) + j) * 4;
-          oj[0] = fmaf(oj[0], alpha0, ot[j * 4 + 0]);
-          oj[1] = fmaf(oj[1], alpha0, ot[j * 4 + 1]);
-          oj[2] = fmaf(oj[2], alpha1, ot[j * 4 + 2]);
-          oj[3] = fmaf(oj[3], alpha1, ot[j * 4 + 3]);
-        }
+        add_tile_to_o<HN>(o + h * (HN / 2), ot, alpha0, alpha1);
       }
       mbar_arrive(&bar_empty[s]);  // per thread: an arrive releases only its own reads
       JAX_FA4_TRACE(it, 10);
