@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kh2 = 0; kh2 < 2; ++kh2)
 #pragma unroll
       for (int qb = 0; qb < BM / 32; ++qb) {
-        // (the block max as floats: prep::abs_max says why that equals the integer route here)
+        // (the block max as floats: prep::abs_max says why NaN blocks change no output)
         float amf[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

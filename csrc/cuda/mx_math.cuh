@@ -46,15 +46,12 @@ __device__ __forceinline__ float scale_up(float x, uint32_t byte) {
 }
 
 // ---- Online MX rounding of fp32 values held in registers (the backward's dS).
-// |x| as ordered bits: for non-negative floats the integer order is the float order (a NaN's bits
-// exceed +inf's), so block maxima are integer maxima.
-__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-// max(|a|, |b|) as a float: one FMNMX with |.| operands where the integer route (abs_bits, then an
-// integer max) takes three instructions. Equal to it unless a value is NaN: fmaxf returns the other
-// operand (NaN only when both are), so a block holding a NaN gets the scale of its finite values
-// instead of 253. Every product summed over such a block is NaN either way (the NaN element stays
-// NaN through the e4m3 rounding), so the backward's outputs are the same.
+// max(|a|, |b|) as a float, one FMNMX with |.| operands (an integer max of |x| bits takes three
+// instructions); its bits, being non-negative, order as the floats do, so online_scale_byte takes
+// them. A NaN is the one difference from a max of bits, where NaN's bits exceed +inf's: fmaxf
+// returns the other operand (NaN only when both are), so a block holding a NaN gets the scale of
+// its finite values instead of 253. Every product summed over such a block is NaN either way (the
+// NaN element stays NaN through the e4m3 rounding), so the backward's outputs are the same.
 __device__ __forceinline__ float abs_max(float a, float b) { return fmaxf(fabsf(a), fabsf(b)); }
 
 // The scale byte of a block from its amax bits, branch-free: v = amax * fp32(1/448); adding 2^23 - 1
