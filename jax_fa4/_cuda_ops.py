@@ -348,8 +348,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   values (csrc/cuda/bwd_sm90_kernel.cuh): q and do as bf16 copies (``_exact_rows``), k and v as MX
   (e4m3 data + scale bytes), dequantized by the kernel into shared memory to the same bf16 bits.
   dS is rounded to MX e4m3 as the recipe rounds it (along S for dQ, along T for dK), online in
-  registers. ``deterministic``: dQ's
-  cross-tile adds in a fixed order (bitwise reproducible) instead of unordered ones.
+  registers. ``deterministic``: dQ's cross-tile adds in a fixed order (bitwise reproducible)
+  instead of unordered ones.
   ``dkv_dtype``: float32, bfloat16 or float16; dK and dV are accumulated in fp32 and rounded once,
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
   """

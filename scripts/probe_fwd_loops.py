@@ -17,8 +17,9 @@ times the variants at B=2, T=S=8192 (4096 at H = 256), N=16, H = 128, 64 and 256
 beside cuDNN bf16 in the same process; forward_mx includes the preparation of Q, K, V (the same for
 every variant).
 
-Consumers (JAX_FA4_SM90_CONSUMERS): 2 (default) or 3 (192-row query tiles; exact scores, H <= 128);
---consumers times only those.
+Consumers (JAX_FA4_SM90_CONSUMERS): 3 (192-row query tiles; the default for exact scores at H <= 128)
+or 2 (the default otherwise). The loop variants above are timed with two consumers (ping-pong needs
+two); --consumers times two against three instead.
 
   python scripts/probe_fwd_loops.py [--json OUT] [--quick] [--skip-identity] [--consumers]
 """

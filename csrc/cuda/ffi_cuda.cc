@@ -254,10 +254,10 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
 // sem [..., N, column chunks, ceil(T/64)] scratch.
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi::Buffer<ffi::U8> ks,
                    ffi::AnyBuffer v8, ffi::Buffer<ffi::U8> vs, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse2,
-                   ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, float scale, int64_t causal, int64_t window_left,
-                   int64_t window_right, int64_t deterministic, ffi::Result<ffi::Buffer<ffi::F32>> dq,
-                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                   ffi::Result<ffi::Buffer<ffi::S32>> sem) {
+                   ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
+                   float scale, int64_t causal, int64_t window_left, int64_t window_right, int64_t deterministic,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::S32>> sem) {
   for (const ffi::AnyBuffer* x : {&q, &dout})
     if (x->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("bwd: q and dout must be bfloat16 (exact MX values)");
@@ -273,12 +273,14 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi
   const int64_t T_pad = ld[ld.size() - 1];
   if (kd[kd.size() - 1] != H || lead(kd, 3) != B || v8.element_count() != k8.element_count() ||
       dout.element_count() != q.element_count())
-    return ffi::Error::InvalidArgument("bwd: q " + dims_str(qd) + " and k8 " + dims_str(kd) + " (v8, dout alike) do not agree");
+    return ffi::Error::InvalidArgument("bwd: q " + dims_str(qd) + " and k8 " + dims_str(kd) +
+                                       " (v8, dout alike) do not agree");
   if (H != 64 && H != 128 && H != 256)
     return ffi::Error::InvalidArgument("bwd: head dim " + std::to_string(H) + " not in {64,128,256}");
   if ((int64_t)ks.element_count() != (int64_t)k8.element_count() / 32 ||
       (int64_t)vs.element_count() != (int64_t)v8.element_count() / 32)
-    return ffi::Error::InvalidArgument("bwd: ks / vs must hold one scale byte per 32 elements of k8 / v8 " + dims_str(kd));
+    return ffi::Error::InvalidArgument("bwd: ks / vs must hold one scale byte per 32 elements of k8 / v8 " +
+                                       dims_str(kd));
   if (Kh <= 0 || N % Kh != 0)
     return ffi::Error::InvalidArgument("bwd: query heads " + std::to_string(N) + " not a multiple of kv heads " +
                                        std::to_string(Kh));

@@ -1,5 +1,6 @@
 // Launcher of the sm_90a forward kernel: builds the TMA tensor maps, picks the tile config by
-// head dim, and launches one CTA per (128- or 192-row query tile, query head, batch) in the scheduler's order.
+// head dim, and launches one CTA per (128- or 192-row query tile, query head, batch) in the
+// scheduler's order.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -19,6 +20,7 @@ namespace jax_fa4::cuda {
 namespace {
 
 using sm90::FwdParams;
+using sm90::fwd_sm90_kernel;
 using sm90::TileConfig;
 
 static_assert(kSeqPad == sm90::kSeqPad, "launch.h and tile_config.cuh disagree on the S padding");
@@ -47,7 +49,7 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
     const cuuint32_t box[4] = {(cuuint32_t)Cfg::kBlockN, (cuuint32_t)H, 1, 1};
     if (auto e = make_map(&tm_v, a.vt, dims, str, box, swizzle_of(Cfg::kSwV)); e != cudaSuccess) return e;
   }
-  if (cudaError_t e = set_max_smem_once<sm90::fwd_sm90_kernel<H, kPipe, kExact, kCons>>(Cfg::kSmemBytes); e != cudaSuccess)
+  if (cudaError_t e = set_max_smem_once<fwd_sm90_kernel<H, kPipe, kExact, kCons>>(Cfg::kSmemBytes); e != cudaSuccess)
     return e;
   p.num_m_blocks = (a.T + Cfg::kBM - 1) / Cfg::kBM;
   const int64_t num_work = (int64_t)p.num_m_blocks * a.N * a.B;
@@ -72,7 +74,8 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 0;
   const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
   const int64_t grid = num_work < cap ? num_work : cap;
-  sm90::fwd_sm90_kernel<H, kPipe, kExact, kCons><<<(unsigned)grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
+  fwd_sm90_kernel<H, kPipe, kExact, kCons>
+      <<<(unsigned)grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p);
   return cudaGetLastError();
 }
 
