@@ -31,6 +31,19 @@
 
 namespace jax_fa4::sm90 {
 
+// Phase timestamps for measurement builds only (-DJAX_FA4_BWD_TRACE, scripts/trace_bwd.py): thread 0
+// of each consumer warpgroup of one CTA writes clock64() at 16 points of each of its first 32 query
+// tiles. Normal builds compile none of it.
+#ifdef JAX_FA4_BWD_TRACE
+constexpr int kBwdTraceTile = 40, kBwdTraceHead = 3, kBwdTraceIters = 32, kBwdTracePoints = 16;
+// (defined here: bwd_sm90_launch.cu is the only translation unit that includes this header)
+__device__ unsigned long long g_bwd_trace[2][kBwdTraceIters][kBwdTracePoints];
+#define JAX_FA4_BWD_TRACE_AT(it, k) \
+  do { if (trace_on && (it) < kBwdTraceIters) g_bwd_trace[cw][(it)][(k)] = clock64(); } while (0)
+#else
+#define JAX_FA4_BWD_TRACE_AT(it, k) do {} while (0)
+#endif
+
 struct BwdParams {
   int B, T, S, N, Kh, H;  // leading batch dims are folded into B
   int group;              // N / Kh
@@ -372,6 +385,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("bar.sync 1, 256;" ::: "memory");
   }
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV);
+#ifdef JAX_FA4_BWD_TRACE
+  const bool trace_on = t == 0 && blockIdx.x == kBwdTraceTile && blockIdx.y == kBwdTraceHead && blockIdx.z == 0;
+#endif
 
   for (int it = 0; it < n_iters; ++it) {
     const int s = it % ST;
@@ -379,7 +395,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int m_block = m_lo + it % n_m;
     const int m0 = m_block * BM;
     const uint32_t q_base = smem_u32(sQ + s * Cfg::kQBytes), do_base = smem_u32(sdO + s * Cfg::kQBytes);
+    JAX_FA4_BWD_TRACE_AT(it, 0);
     mbar_wait(&bar_full[s], (it / ST) & 1);
+    JAX_FA4_BWD_TRACE_AT(it, 1);
 
     // ---- S^T = K Q^T and dP^T = V dO^T: 64 keys x BM queries each, contracting H.
     float sc[BM / 2], dp[BM / 2];
@@ -405,9 +423,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<BM>::ss_kk(dp, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
+    JAX_FA4_BWD_TRACE_AT(it, 2);
     wgmma_wait<1>();
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) reg_fence(sc[i]);
+    JAX_FA4_BWD_TRACE_AT(it, 3);
 
     // ---- P^T (fp32) and P8 as the register A operand of dV. Accumulator element i of n-group j:
     // key key_loc[(i >> 1) & 1], query m0 + 8 j + 2 tq + (i & 1).
@@ -430,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) pa[kk][r] = pack_p8_bf16x2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
 
+    JAX_FA4_BWD_TRACE_AT(it, 4);
     // ---- dV += P8^T dO, issued before dS is formed so that dS and its rounding run while it does
     // (B N-major: the HV columns from h0 run along the 128-byte rows, one 64-column atom every
     // BM * 128 bytes).
@@ -449,10 +470,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<HV>::rs_n(dv, pa[kk], db, 1);
     }
     wgmma_commit();
+    JAX_FA4_BWD_TRACE_AT(it, 5);
 
     wgmma_wait<1>();  // dP^T done (dV may still run)
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) reg_fence(dp[i]);
+    JAX_FA4_BWD_TRACE_AT(it, 6);
     // ---- dS^T = P^T (dP^T - delta), exactly 0 where masked (a NaN in a masked V must not leak).
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
@@ -461,6 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
     }
     if (!full) mask_zero<BM>(dp, m0, k0, key_loc, kv_len, p.mask, tq);
+    JAX_FA4_BWD_TRACE_AT(it, 7);
     // ---- dS rounded as the recipe rounds it (NUMERICS.md section 3): MX e4m3 blocked along T for
     // dK = dS^T Q (here) and along S for dQ = dS K (below, while dK runs), held as the exact bf16
     // values of that rounding. The kernel first kept dS in bf16, finer than the recipe; on outlier
@@ -491,6 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
+    JAX_FA4_BWD_TRACE_AT(it, 8);
     // ---- dK += dS^T Q over this tile's BM queries (RS: dS^T from the registers above).
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
@@ -503,6 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<HV>::rs_n(dk, dsa[kk], db, 1);
     }
     wgmma_commit();
+    JAX_FA4_BWD_TRACE_AT(it, 9);
 
     // ---- S-blocks of dS for dQ: the 32 keys of one query are this thread's 2 key halves, the 8 gid
     // lanes of its warp and the partner warp (warp ^ 1). The scale rule is monotone, so the block's
@@ -533,6 +559,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < BM / 8; ++j) bw[j] = prep::max_u16x2(bw[j], other[4 * j + tq]);
     }
 
+    JAX_FA4_BWD_TRACE_AT(it, 10);
     // ---- dS^T -> shared memory (bf16, [keys][BM queries], 128B-swizzled rows) for dQ = dS K.
     // Values dp[4 j + 2 kh2 + {0, 1}] are (key key_loc[kh2], queries 8 j + 2 tq + {0, 1}): 16-byte
     // chunk j of the key's row.
@@ -552,6 +579,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("bar.sync 1, 256;" ::: "memory");
+    JAX_FA4_BWD_TRACE_AT(it, 11);
 
     // ---- dQ[BM x 64] = dS K: A = dS (M = queries along the rows of dS^T, K = keys down them),
     // B = K (N = columns along its rows, K = keys down them).
@@ -570,6 +598,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<64>::ss_mn(dq, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
+    JAX_FA4_BWD_TRACE_AT(it, 12);
     wgmma_wait<1>();  // dV and dK done: Q, dO, lse and delta of stage s are no longer read
 #pragma unroll
     for (int i = 0; i < HV / 2; ++i) {
@@ -581,9 +610,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // delta reads unordered, by the letter of the PTX memory model, against the producer's next
     // copy into the stage (compute-sanitizer racecheck reported exactly that).
     mbar_arrive(&bar_empty[s]);
+    JAX_FA4_BWD_TRACE_AT(it, 13);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 32; ++i) reg_fence(dq[i]);
+    JAX_FA4_BWD_TRACE_AT(it, 14);
 
     // Accumulator element i of n-group j: query m0 + 16 warp + gid + 8 ((i >> 1) & 1), column
     // q_col + 8 j + 2 tq + (i & 1).
@@ -604,6 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       fence_proxy_async_shared();
       mbar_arrive(bar_dq_full);
+      JAX_FA4_BWD_TRACE_AT(it, 15);
     } else {
       // ---- dQ adds from registers (fp32 atomics), ordered across key tiles when deterministic.
       int32_t* sem = p.sem + (((int64_t)b * p.N + n_head) * Cfg::kChunks + chunk) * p.num_m_blocks + m_block;

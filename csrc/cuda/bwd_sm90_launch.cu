@@ -8,6 +8,13 @@
 #include "cuda/launch.h"
 #include "cuda/tma_map.h"
 
+#ifdef JAX_FA4_BWD_TRACE
+// Measurement builds: copies the phase timestamps of the last traced launch (module_cuda.cc).
+extern "C" int jax_fa4_bwd_trace(unsigned long long* host) {
+  return (int)cudaMemcpyFromSymbol(host, jax_fa4::sm90::g_bwd_trace, sizeof(jax_fa4::sm90::g_bwd_trace));
+}
+#endif
+
 namespace jax_fa4::cuda {
 namespace {
 

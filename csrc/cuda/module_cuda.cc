@@ -20,6 +20,9 @@ XLA_FFI_Error* JaxFa4CudaBwd(XLA_FFI_CallFrame*);
 #ifdef JAX_FA4_FWD_TRACE
 extern "C" int jax_fa4_fwd_trace(unsigned long long* host);  // fwd_sm90_launch.cu
 #endif
+#ifdef JAX_FA4_BWD_TRACE
+extern "C" int jax_fa4_bwd_trace(unsigned long long* host);  // bwd_sm90_launch.cu
+#endif
 
 namespace {
 template <typename F>
@@ -46,6 +49,17 @@ NB_MODULE(_jax_fa4_cuda, m) {
   m.def("fwd_trace", []() {
     static unsigned long long buf[3 * 32 * 12];  // g_fwd_trace: up to 3 consumers
     const int err = jax_fa4_fwd_trace(buf);
+    nb::list out;
+    if (err != 0) return out;
+    for (unsigned long long v : buf) out.append(v);
+    return out;
+  });
+#endif
+#ifdef JAX_FA4_BWD_TRACE
+  // Measurement builds only: [consumer][query tile][point] clock64 values of the traced CTA, flattened.
+  m.def("bwd_trace", []() {
+    static unsigned long long buf[2 * 32 * 16];  // g_bwd_trace
+    const int err = jax_fa4_bwd_trace(buf);
     nb::list out;
     if (err != 0) return out;
     for (unsigned long long v : buf) out.append(v);
