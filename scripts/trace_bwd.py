@@ -4,10 +4,12 @@ Needs the CUDA module built with -DJAX_FA4_BWD_TRACE (CMAKE_CUDA_FLAGS and CMAKE
 combined with -DJAX_FA4_FWD_TRACE): thread 0 of each consumer warpgroup of one CTA (key tile 40, kv
 head 3, batch 0: bwd_sm90_kernel.cuh, kBwdTraceTile) stores clock64() at 16 points of each of its
 first 32 query tiles:
-  0 tile start | 1 Q, dO landed | 2 S^T, dP^T issued | 3 S^T done | 4 P, P8 packed (mask included) |
-  5 dV issued | 6 dP^T done | 7 dS^T formed | 8 T-blocks rounded | 9 dK issued | 10 S-block bytes
+  0 tile start | 1 Q, dO landed | 2 S^T, dP^T issued | 3 S^T done | 4 P (exp2, mask) | 5 dP^T done |
+  6 P8 packed and dS^T formed | 7 dV issued | 8 T-blocks rounded | 9 dK issued | 10 S-block bytes
   exchanged | 11 dS^T stored, barrier passed | 12 dQ issued | 13 dV, dK done, stage released |
   14 dQ done | 15 dQ stored for the writer
+(Before 2026-12-06's third session, points 4-7 were: P and P8 packed | dV issued | dP^T done | dS^T
+formed: docs/runs/trace_bwd_h100_20261206.txt was taken with that order.)
 Prints, per consumer, the mean cycles of each phase over query tiles 4..31 and the offset between
 the two consumers' tile starts.
 
@@ -26,7 +28,7 @@ from jax_fa4 import _cuda_ops as co
 from jax_fa4 import _jax_fa4_cuda as ext
 from jax_fa4 import mx
 
-PHASES = ("Q/dO wait", "S,dP issue", "S wait", "exp2,pack", "dV issue", "dP wait", "dS", "T-round",
+PHASES = ("Q/dO wait", "S,dP issue", "S wait", "exp2", "dP wait", "P8,dS", "dV issue", "T-round",
           "dK issue", "S-bytes", "dS store+bar", "dQ issue", "dV,dK wait", "dQ wait", "dQ store")
 NP = 16
 

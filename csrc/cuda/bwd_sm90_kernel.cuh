@@ -431,7 +431,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- P^T (fp32) and P8 as the register A operand of dV. Accumulator element i of n-group j:
     // key key_loc[(i >> 1) & 1], query m0 + 8 j + 2 tq + (i & 1).
-    const bool full = tile_is_full<BM, BN>(m0, n_tile, kv_len, p.mask);
+    // The mask on boundary tiles only, as loops of n_mask = 0 or 1 trips (mask.cuh, opaque_one: an
+    // `if` was if-converted into ~150 predicated instructions per masked phase on every tile).
+    const int n_mask = tile_is_full<BM, BN>(m0, n_tile, kv_len, p.mask) ? 0 : opaque_one();
     const float* lse_s = sLse + s * BM;
     const float* del_s = sDelta + s * BM;
 #pragma unroll
@@ -441,19 +443,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e)
         sc[4 * j + e] = exp2_approx(fmaf(sc[4 * j + e], p.scale_log2, -((e & 1) ? l2.y : l2.x)));
     }
-    // The mask as one branch around its own loop: tested per element inside the loop above, it
-    // compiled to a branch per element (32 taken branches per tile on full tiles).
-    if (!full) mask_zero<BM>(sc, m0, k0, key_loc, kv_len, p.mask, tq);
+    // (Tested per element inside the loop above, the mask compiled to a branch per element.)
+#pragma unroll 1
+    for (int r = 0; r < n_mask; ++r) mask_zero<BM>(sc, m0, k0, key_loc, kv_len, p.mask, tq);
+    JAX_FA4_BWD_TRACE_AT(it, 4);
+    wgmma_wait<0>();  // dP^T done
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) reg_fence(dp[i]);
+    JAX_FA4_BWD_TRACE_AT(it, 5);
+
+    // ---- P8 = e4m3(P * 256) as the register A operand of dV, and dS^T = P^T (dP^T - delta), exactly
+    // 0 where masked (a NaN in a masked V must not leak), in one pass over the pairs: P's registers
+    // free as P8's fill, so the consumers' peak is dK + dV + S^T + dP^T (tile_config.cuh).
+    // Register r of k-step kk holds elements 8 kk + 2 r + {0, 1}: n-group j = 2 kk + (r >> 1),
+    // queries 8 j + 2 tq + {0, 1}.
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kk][r] = pack_p8_bf16x2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r) {
+        const int i = 8 * kk + 2 * r, j = 2 * kk + (r >> 1);
+        const float2 d2 = *reinterpret_cast<const float2*>(del_s + 8 * j + 2 * tq);
+        pa[kk][r] = pack_p8_bf16x2(sc[i], sc[i + 1]);
+        dp[i] = sc[i] * (dp[i] - d2.x);
+        dp[i + 1] = sc[i + 1] * (dp[i + 1] - d2.y);
+      }
+#pragma unroll 1
+    for (int r = 0; r < n_mask; ++r) mask_zero<BM>(dp, m0, k0, key_loc, kv_len, p.mask, tq);
+    JAX_FA4_BWD_TRACE_AT(it, 6);
 
-    JAX_FA4_BWD_TRACE_AT(it, 4);
-    // ---- dV += P8^T dO, issued before dS is formed so that dS and its rounding run while it does
-    // (B N-major: the HV columns from h0 run along the 128-byte rows, one 64-column atom every
-    // BM * 128 bytes).
+    // ---- dV += P8^T dO, issued before dS is rounded so that the rounding runs while it does (B
+    // N-major: the HV columns from h0 run along the 128-byte rows, one 64-column atom every BM * 128
+    // bytes).
 #pragma unroll
     for (int i = 0; i < HV / 2; ++i) {
       reg_fence(dv[i]);
@@ -470,20 +491,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       BwdMma<HV>::rs_n(dv, pa[kk], db, 1);
     }
     wgmma_commit();
-    JAX_FA4_BWD_TRACE_AT(it, 5);
-
-    wgmma_wait<1>();  // dP^T done (dV may still run)
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) reg_fence(dp[i]);
-    JAX_FA4_BWD_TRACE_AT(it, 6);
-    // ---- dS^T = P^T (dP^T - delta), exactly 0 where masked (a NaN in a masked V must not leak).
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 d2 = *reinterpret_cast<const float2*>(del_s + 8 * j + 2 * tq);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - ((e & 1) ? d2.y : d2.x));
-    }
-    if (!full) mask_zero<BM>(dp, m0, k0, key_loc, kv_len, p.mask, tq);
     JAX_FA4_BWD_TRACE_AT(it, 7);
     // ---- dS rounded as the recipe rounds it (NUMERICS.md section 3): MX e4m3 blocked along T for
     // dK = dS^T Q (here) and along S for dQ = dS K (below, while dK runs), held as the exact bf16

@@ -25,6 +25,13 @@ using sm90::TileConfig;
 
 static_assert(kSeqPad == sm90::kSeqPad, "launch.h and tile_config.cuh disagree on the S padding");
 
+// Short rows: S <= kShortRowsS keys, at most 32 key tiles per work tile. There one CTA per SM (the
+// persistent loop) was 2-14% faster than one CTA per work tile in all 16 cases of an H100 run (about
+// 16k tokens, N=16, T=S = 512 .. 4096, H 64 and 128, causal and not: scripts/probe_short_rows.py,
+// docs/PERFORMANCE.md); at 8192 it was equal without masks and up to 13% slower with them. The grids
+// are bitwise equal (test_loop_variants_and_grids_bitwise_equal): the rule changes no result.
+constexpr int kShortRowsS = 4096;
+
 template <int H, bool kPipe, bool kExact, int kCons = sm90::kNumConsumerWG>
 cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   using Cfg = TileConfig<H, kExact ? 2 : 1, kCons>;
@@ -68,10 +75,12 @@ cudaError_t launch_h(const FwdArgs& a, FwdParams& p, cudaStream_t stream) {
   // overlap this one's tail). JAX_FA4_SM90_PERSISTENT (read per launch, for measurement and tests):
   // 0 = one CTA per work tile; k >= 2 = at most k CTAs (many tiles per CTA even on small shapes).
   const char* pe = std::getenv("JAX_FA4_SM90_PERSISTENT");
-  // Default 0: on an H100 and an H200 (2026-12-05) one CTA per work tile, dispatched by the hardware
-  // in the scheduler's order, was as fast as one CTA per SM without causal masks and 5-15% faster with
-  // them (a static stride over longest-first tiles leaves the SMs unevenly loaded at the end).
-  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : 0;
+  // Default: one CTA per work tile, dispatched by the hardware in the scheduler's order; on an H100
+  // and an H200 (2026-12-05) that was as fast as one CTA per SM without causal masks and 5-15%
+  // faster with them at long rows (a static stride over longest-first tiles leaves the SMs unevenly
+  // loaded at the end). Short rows (kShortRowsS) take one CTA per SM: a short work tile hides
+  // little of its own Q load and setup, which the persistent loop overlaps with the previous tile's.
+  const long pv = pe != nullptr ? std::strtol(pe, nullptr, 10) : (a.S <= kShortRowsS ? 1 : 0);
   const int64_t cap = pv == 0 ? num_work : pv >= 2 ? pv : sms;
   const int64_t grid = num_work < cap ? num_work : cap;
   fwd_sm90_kernel<H, kPipe, kExact, kCons>

@@ -29,6 +29,19 @@ template <typename F>
 nb::capsule capsule(F* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
+
+#if defined(JAX_FA4_FWD_TRACE) || defined(JAX_FA4_BWD_TRACE)
+// Measurement builds only: the clock64 values of the last traced launch, flattened ([] if the copy
+// failed); `read` copies the kernel's N-value trace buffer to the host.
+template <size_t N>
+nb::list trace_list(int (*read)(unsigned long long*)) {
+  static unsigned long long buf[N];
+  nb::list out;
+  if (read(buf) != 0) return out;
+  for (unsigned long long v : buf) out.append(v);
+  return out;
+}
+#endif
 }  // namespace
 
 NB_MODULE(_jax_fa4_cuda, m) {
@@ -45,25 +58,11 @@ NB_MODULE(_jax_fa4_cuda, m) {
     return d;
   });
 #ifdef JAX_FA4_FWD_TRACE
-  // Measurement builds only: [consumer][tile][point] clock64 values of the traced CTA, flattened.
-  m.def("fwd_trace", []() {
-    static unsigned long long buf[3 * 32 * 12];  // g_fwd_trace: up to 3 consumers
-    const int err = jax_fa4_fwd_trace(buf);
-    nb::list out;
-    if (err != 0) return out;
-    for (unsigned long long v : buf) out.append(v);
-    return out;
-  });
+  // [consumer][tile][point] of the traced CTA (g_fwd_trace: up to 3 consumers).
+  m.def("fwd_trace", []() { return trace_list<3 * 32 * 12>(jax_fa4_fwd_trace); });
 #endif
 #ifdef JAX_FA4_BWD_TRACE
-  // Measurement builds only: [consumer][query tile][point] clock64 values of the traced CTA, flattened.
-  m.def("bwd_trace", []() {
-    static unsigned long long buf[2 * 32 * 16];  // g_bwd_trace
-    const int err = jax_fa4_bwd_trace(buf);
-    nb::list out;
-    if (err != 0) return out;
-    for (unsigned long long v : buf) out.append(v);
-    return out;
-  });
+  // [consumer][query tile][point] of the traced CTA (g_bwd_trace).
+  m.def("bwd_trace", []() { return trace_list<2 * 32 * 16>(jax_fa4_bwd_trace); });
 #endif
 }
