@@ -134,6 +134,8 @@ def unsupported_reason(q_shape, k_shape, dtype=None, head_dim=None, window=None,
     return f"query heads N={N} must be a positive multiple of kv heads K={K}"
   if N > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
     return f"N={N} and B={B} must be <= {_MAX_GRID_YZ} (grid limits)"
+  if K * (H // 64) > _MAX_GRID_YZ:  # prep_v: (kv head, 64-column block) per grid row; the backward needs fewer
+    return f"kv heads K={K} times head_dim/64={H // 64} must be <= {_MAX_GRID_YZ} (grid limits)"
   if T >= 2**31 or S >= 2**31 - SEQ_PAD:
     return f"T={T} and S={S} must fit int32"
   if dtype is not None:

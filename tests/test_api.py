@@ -244,3 +244,13 @@ def test_deterministic_gradients_are_reproducible():
   a, b = grad(q, k, v), grad(q, k, v)
   for x, y in zip(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_cuda_grid_limits_are_refused_before_launch():
+  # The V preparation's grid holds one row per (kv head, 64-column block): past 65535 rows the CUDA
+  # backend must decline the call by name rather than fail in the launcher.
+  from jax_fa4 import _cuda_ops as co
+  assert co.unsupported_reason((1, 8, 16, 128), (1, 8, 16, 128)) is None
+  assert co.unsupported_reason((1, 8, 20000, 128), (1, 8, 20000, 128)) is None  # 40000 rows
+  msg = co.unsupported_reason((1, 8, 16384, 256), (1, 8, 16384, 256))  # 65536 rows
+  assert msg is not None and "K=16384" in msg and "head_dim/64=4" in msg
