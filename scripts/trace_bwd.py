@@ -55,9 +55,11 @@ def report(name: str, t: np.ndarray) -> None:
     print(f"  consumer {wg}: tile {tile.mean():6.0f} cyc | " +
           " | ".join(f"{p} {d[:, i].mean():5.0f}" for i, p in enumerate(PHASES)))
   off = (t[1, 4:, 0] - t[0, 4:, 0]).astype(np.float64)
-  print(f"  consumer 1 starts a tile {off.mean():.0f} cyc after consumer 0 (min {off.min():.0f}, max {off.max():.0f})")
+  print(f"  consumer 1 starts a tile {off.mean():.0f} cyc after consumer 0 "
+        f"(min {off.min():.0f}, max {off.max():.0f})")
   for it in (8, 9):
-    print(f"  tile {it}: " + " ".join(f"c{wg}:" + ",".join(f"{x - t[0, it, 0]:d}" for x in t[wg, it]) for wg in range(2)))
+    print(f"  tile {it}: " + " ".join(f"c{wg}:" + ",".join(f"{x - t[0, it, 0]:d}" for x in t[wg, it])
+                                       for wg in range(2)))
 
 
 def main():

@@ -429,8 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BM / 2; ++i) reg_fence(sc[i]);
     JAX_FA4_BWD_TRACE_AT(it, 3);
 
-    // ---- P^T (fp32) and P8 as the register A operand of dV. Accumulator element i of n-group j:
-    // key key_loc[(i >> 1) & 1], query m0 + 8 j + 2 tq + (i & 1).
+    // ---- P^T (fp32), in place of S^T. Accumulator element i of n-group j: key key_loc[(i >> 1) & 1],
+    // query m0 + 8 j + 2 tq + (i & 1).
     // The mask on boundary tiles only, as loops of n_mask = 0 or 1 trips (mask.cuh, opaque_one: an
     // `if` was if-converted into ~150 predicated instructions per masked phase on every tile).
     const int n_mask = tile_is_full<BM, BN>(m0, n_tile, kv_len, p.mask) ? 0 : opaque_one();
