@@ -344,7 +344,9 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
              deterministic: bool = False, dkv_dtype=jnp.float32):
   """MX attention backward on Hopper: ``(dq [B,T,N,H] float32, dk, dv [B,S,K,H] in dkv_dtype)``.
 
-  q, k, v, do: MXArray blocked along H (axis 3): the forward's q and k, v and dO blocked along H.
+  q, k, v: MXArray blocked along H (axis 3): the forward's q and k, and v blocked along H.
+  do: dO as an MXArray blocked along H, or the cotangent itself ([B,T,N,H] float), which is used
+  as ``mx.quantize(do, 3)`` (bit for bit).
   lse: the forward's float32 [B,T,N] (natural log, -inf for rows without keys); delta =
   rowsum(O * dO), float32 [B,T,N]. Every product runs on bf16 wgmma over the exact dequantized
   values (csrc/cuda/bwd_sm90_kernel.cuh): q and do as bf16 copies (``_exact_rows``), k and v as MX
@@ -355,8 +357,16 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   ``dkv_dtype``: float32, bfloat16 or float16; dK and dV are accumulated in fp32 and rounded once,
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
   """
-  for name, x in (("q", q), ("k", k), ("v", v), ("do", do)):
+  for name, x in (("q", q), ("k", k), ("v", v)):
     _check_mx(name, x, 3)
+  if isinstance(do, mx.MXArray):
+    _check_mx("do", do, 3)
+  else:
+    do = jnp.asarray(do)
+    if do.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+      raise ValueError(f"do.dtype={do.dtype} must be bfloat16, float16 or float32 (or do an MXArray)")
+    if do.shape != q.shape:
+      raise ValueError(f"do.shape={do.shape} must equal q.shape={q.shape}")
   _check_common(q.shape, k.shape, v.shape, mx.E4M3, window, jnp.float32, scale)
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -383,7 +393,10 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   # q and dO: bf16 copies for the kernel's TMA ring. K and V go in as MX (data + scale bytes): each
   # CTA dequantizes its key tile into shared memory (the same bf16 bits as _exact_rows), which
   # saves two transient bf16 tensors (2 x B*S*K*H*2 bytes) and their memory passes.
-  qe, doe = (_exact_rows(x)[0] for x in (q, do))
+  # dO given as the cotangent itself: its bf16 copy straight from the floats in one pass (the
+  # values of mx.quantize(do, 3), bit for bit), with no MX dO in between.
+  qe = _exact_rows(q)[0]
+  doe = (_exact_rows(do) if isinstance(do, mx.MXArray) else _exact_rows_float(do))[0]
   t_pad = -(-T // _BWD_BLOCK_M) * _BWD_BLOCK_M
   # P = exp2(S scale log2e - lse2): rows past q_len and rows without keys get lse2 = +inf (P = 0).
   lse = jnp.asarray(lse)

@@ -196,10 +196,12 @@ def _attention_bwd(cfg, res, cts):
   o = res["o"]
   do = jnp.asarray(do).astype(o.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  # dO in the orientations the backend wants: the cotangent itself for the CUDA backward (used as
+  # mx.quantize(do, 3), bit for bit: Backend.raw_cotangent), else MX along H and along T.
+  do_h, do_t = (do, None) if impl.raw_cotangent else (mx.quantize(do, 3), mx.quantize(do, 1))
   dq, dk, dv, dbias = partitioning.backward(
-      impl, res["q_h"], res["q_t"], res["k_h"], res["k_s"], res["v_h"], mx.quantize(do, 3),
-      mx.quantize(do, 1), res["lse"], delta, res["bias"], res["mask"], res["q_seqlen"],
-      res["kv_seqlen"], cfg)
+      impl, res["q_h"], res["q_t"], res["k_h"], res["k_s"], res["v_h"], do_h, do_t, res["lse"],
+      delta, res["bias"], res["mask"], res["q_seqlen"], res["kv_seqlen"], cfg)
   grads = []
   for g, dt, tmpl in zip((dq, dk, dv), cfg.grad_dtypes, (res["q_mx"], res["k_mx"], res["v_mx"])):
     grads.append(tmpl if dt is None else g.astype(dt))

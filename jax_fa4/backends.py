@@ -42,6 +42,10 @@ class Backend:
   forward_float: Optional[Callable] = None
   # Whether implementation=None may pick it: only backends that meet the accuracy contract.
   default: bool = True
+  # Whether backward() takes dO as the cotangent itself (do_h a float [B,T,N,H] array, do_t None)
+  # and uses it as mx.quantize(do, 3), instead of the two MX orientations: the CUDA backward makes
+  # its bf16 copy of dO from the floats in one pass, with no MX dO in between.
+  raw_cotangent: bool = False
 
 
 # ---- xla: the recipe -------------------------------------------------------------------------
@@ -143,8 +147,9 @@ def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
 
 
 def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
-  # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h, do_h serve every product:
-  # the second orientations (q_t, k_s, do_t) are unused here.
+  # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h serve every product: the
+  # second orientations (q_t, k_s, do_t) are unused here. do_h: the cotangent itself from
+  # dot_product_attention (raw_cotangent), an MXArray blocked along H from ring attention.
   # dK and dV leave the kernel in the gradients' dtype when k and v share one (rounded once from
   # fp32 in the kernel: no fp32 copies of them for bf16 training); dQ is fp32 (accumulated across
   # CTAs), scaled and cast in one XLA pass.
@@ -172,12 +177,13 @@ _BACKENDS = {
     # flat attention (1.3-1.6x the bound, ~4e-5 relative, from P V's FP8 sums; an xfail in
     # tests/test_cuda_forward.py, docs/HOPPER_FORWARD.md).
     "cuda": Backend("cuda", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda"),
-                    _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float),
+                    _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float,
+                    raw_cotangent=True),
     # Not a default: on an H200 FP8 wgmma's sums miss the contract for the lse and for outlier
     # inputs (docs/HOPPER_FORWARD.md); implementation='cuda_fp8' opts in.
     "cuda_fp8": Backend("cuda_fp8", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda_fp8"),
                         _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float,
-                        default=False),
+                        default=False, raw_cotangent=True),
 }
 
 

@@ -53,6 +53,7 @@ class _Static:
   K: int
   bias_shape: Optional[Tuple[int, ...]]
   mask_shape: Optional[Tuple[int, ...]]
+  raw_do: bool = False  # "bwd": dO goes in as one float BTNH array (do_t None), not two MXArrays
 
 
 def _axes_tuple(entry) -> Tuple[str, ...]:
@@ -104,7 +105,8 @@ def _specs(st: _Static, b, h):
   if st.kind == "fwd_float":
     return (btnh, btnh, btnh, lens, lens), (btnh, btn)
   dbias = None if st.bias_shape is None or st.backend != "xla" else P(b, h, None, None)
-  return ((mxs(),) * 7 + (btn, btn, bias, mask, lens, lens),
+  do = (btnh, None) if st.raw_do else (mxs(), mxs())
+  return ((mxs(),) * 5 + do + (btn, btn, bias, mask, lens, lens),
           (btnh, btnh, btnh, dbias))
 
 
@@ -153,8 +155,10 @@ def _rule(st: _Static):
     ops = [btnh, bskh, bskh, "b", "b"]
     res = [btnh, btn]
   else:
-    # q_h, q_t, k_h, k_s, v_h, do_h, do_t (data, scale each), lse, delta, bias, mask, lengths.
-    ops = [btnh, btnq, btnh, bttn, bskh, bskq, bskh, bssk, bskh, bskq, btnh, btnq, btnh, bttn,
+    # q_h, q_t, k_h, k_s, v_h, do_h, do_t (data, scale each; a raw dO is one array and no
+    # do_t), lse, delta, bias, mask, lengths.
+    do = [btnh] if st.raw_do else [btnh, btnq, btnh, bttn]
+    ops = [btnh, btnq, btnh, bttn, bskh, bskq, bskh, bssk, bskh, bskq, *do,
            btn, btn, *extra, "b", "b"]
     res = [btnh, bskh, bskh]
     if st.bias_shape is not None and st.backend == "xla":
@@ -282,6 +286,7 @@ def backward(impl, q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, 
              cfg):
   """``backends.get(impl).backward(...)``, shard-local under batch/head sharding."""
   st = _static("bwd", _backend_name(impl), cfg, q_h, k_h, bias, mask)
+  st = dataclasses.replace(st, raw_do=not isinstance(do_h, mx.MXArray))
   return call(st, q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len)
 
 

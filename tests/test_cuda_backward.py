@@ -273,6 +273,38 @@ def test_deterministic_all_head_dims_and_dkv_dtypes(H):
                                     np.asarray(jnp.asarray(y).astype(dt).astype(jnp.float32)), err_msg=name)
 
 
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_raw_bf16_cotangent_is_bitwise_the_mx_path(H):
+  """dO given as the bf16 cotangent (what jax.grad through dot_product_attention passes; its
+  bf16 copy for the kernel is made from the floats in one pass, _exact_rows_float) gives the
+  gradients of dO given as mx.quantize(do, 3), bit for bit, and so does a float32 cotangent. Awkward T (a partial last query tile), GQA, ragged lengths, and blocks that
+  stress the scale: zeros, tiny (1e-30) and huge (1e20) values, one nonzero element, a NaN."""
+  B, T, S, N, K = 2, 113, 200, 4, 2
+  q, k, v = make_qkv("normal", B, T, S, N, K, H, seed=_SEED + 21)
+  do = make_do("varying", B, T, N, H, seed=_SEED + 22)
+  do[0, 3, 1, :32] = 0.0
+  do[0, 4, 2, 32:64] *= 1e-30
+  do[1, 5, 0, :32] *= 1e20
+  do[1, 6, 3, :32] = 0.0
+  do[1, 6, 3, 17] = -3.0
+  do[1, 50, 1, H - 32:] = np.nan  # a row inside batch 1's q_len
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))
+  dob = jnp.asarray(do, jnp.bfloat16)
+  ql, kl = jnp.array([113, 90], jnp.int32), jnp.array([200, 131], jnp.int32)
+  qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+  kw = dict(scale=H ** -0.5, is_causal=True, window=None, deterministic=True)
+  o, lse = _ops().forward_mx(qm, km, vm, ql, kl, out_dtype=jnp.float32, scale=kw["scale"], is_causal=True)
+  delta = jnp.sum(o * dob.astype(jnp.float32), -1)
+  common = (lse, delta, ql, kl)
+  want = [np.asarray(x) for x in _ops().backward(qm, km, mx.quantize(v, 3), mx.quantize(dob, 3), *common, **kw)]
+  assert np.isfinite(want[0][0]).all() and np.isnan(want[0][1]).any()  # the NaN block reaches batch 1 only
+  for do_in in (dob, dob.astype(jnp.float32)):
+    jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan), jnp.full((B, S, K, H), jnp.nan)))  # poison
+    got = [np.asarray(x) for x in _ops().backward(qm, km, mx.quantize(v, 3), do_in, *common, **kw)]
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+      np.testing.assert_array_equal(x, y, err_msg=f"{name} (do {do_in.dtype})")
+
+
 def test_backward_bad_input_raises():
   q = mx.quantize(jnp.ones((1, 8, 2, 64)), 3)
   k = mx.quantize(jnp.ones((1, 8, 1, 64)), 3)
@@ -288,3 +320,7 @@ def test_backward_bad_input_raises():
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, deterministic="yes")
   with pytest.raises(ValueError, match="dkv_dtype"):
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, dkv_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="do.dtype"):
+    _ops().backward(q, k, k, jnp.ones((1, 8, 2, 64), jnp.int32), lse, lse, L, L, scale=0.1)
+  with pytest.raises(ValueError, match="do.shape"):
+    _ops().backward(q, k, k, jnp.ones((1, 8, 2, 32)), lse, lse, L, L, scale=0.1)

@@ -17,6 +17,7 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -160,6 +161,50 @@ def test_jit_sharded_without_shardy_uses_the_gspmd_callbacks():
   finally:
     jax.config.update("jax_use_shardy_partitioner", old)
   _check(case, outs)
+
+
+@pytest.mark.parametrize("shardy", [True, False])
+def test_raw_cotangent_backward_is_shard_local_and_unchanged(shardy, monkeypatch):
+  # The CUDA backward takes dO as the cotangent itself (Backend.raw_cotangent: one float BTNH
+  # operand, no do_t) and quantizes it as mx.quantize(do, 3). The same plumbing on this
+  # machine's backend, with the quantization done in front of it: the sharded call stays
+  # shard-local under both partitioners and the gradients are bitwise those of the MX path.
+  from jax_fa4 import mx, partitioning
+  case = _case(*JIT_CASE)
+  mesh = _mesh((4, 2), ("b", "h"))
+  sh = NamedSharding(mesh, P("b", None, "h", None))
+  args = tuple(jax.device_put(x, sh) for x in case["args"])
+  lens = {n: jax.device_put(x, NamedSharding(mesh, P("b"))) for n, x in case["lens"].items()}
+  do = jax.device_put(jnp.asarray(case["do"]), sh)
+  f = lambda a, b, c: jax_fa4.dot_product_attention(a, b, c, is_causal=True, implementation=IMPL,
+                                                    return_residual=True, **lens)
+  run = lambda: jax.jit(lambda a, b, c, g: _value_and_grads(f, (a, b, c), g)).lower(
+      *args, do).compile()
+  old = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", shardy)
+  try:
+    want = run()(*args, do)
+    base = backends.get(IMPL)
+    seen = []
+
+    def backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, *rest):
+      seen.append((type(do_h), do_h.shape, do_t))
+      assert not isinstance(do_h, mx.MXArray) and do_t is None
+      return base.backward(q_h, q_t, k_h, k_s, v_h, mx.quantize(do_h, 3), mx.quantize(do_h, 1),
+                           *rest)
+    monkeypatch.setitem(backends._BACKENDS, IMPL, dataclasses.replace(
+        base, backward=backward, raw_cotangent=True))
+    compiled = run()
+    assert _count(compiled.as_text()) == dict.fromkeys(COLLECTIVES, 0)
+    got = compiled(*args, do)
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", old)
+    partitioning._op.cache_clear()  # drop the ops built over the patched backend
+  # Traced whole (the abstract evaluation) and on each device's shard: batch 8 / 4, kv heads
+  # 2 / 2 with their 4 query heads.
+  assert {s[1] for s in seen} == {(8, 96, 8, 64), (2, 96, 4, 64)}, seen
+  for name, a, b in zip(NAMES, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_jit_sharded_dense_bias_on_the_recipe():
