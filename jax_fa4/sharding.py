@@ -241,9 +241,13 @@ class RingConfig:
   grad_dtypes: Tuple[str, str, str]
 
   def block_cfg(self, causal: bool) -> AttentionConfig:
+    # The per-block gradients stay fp32 (the ring's accumulators are; the sum is cast once at the
+    # end to grad_dtypes): a backend that rounds to the gradients' dtype (the CUDA backward rounds
+    # dK, dV in its kernel) must not round each block, and its bf16 blocks would not match the fp32
+    # zeros of a block the queries cannot see in lax.cond.
     return AttentionConfig(scale=self.scale, is_causal=causal, window=None,
                            implementation=self.implementation, out_dtype=self.out_dtype,
-                           grad_dtypes=self.grad_dtypes)
+                           grad_dtypes=("float32", "float32", "float32"))
 
 
 def _as_bytes(x):

@@ -317,6 +317,39 @@ def test_ring_with_batch_and_head_axes_and_gqa():
                          batch_axis="data", head_axis="model"))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_backward_asks_the_backend_for_fp32_block_gradients(layout, monkeypatch):
+  # A backend may hand back gradients already in cfg.grad_dtypes (the CUDA one does: it rounds dK,
+  # dV in the kernel). The ring adds its per-block gradients into fp32 accumulators and casts once
+  # at the end, so the per-block configs must ask for float32: bf16 block gradients would be
+  # rounded per block, and under contiguous causal they would not even trace (lax.cond against
+  # the fp32 zeros of a block the queries cannot see). bf16 inputs; a backend that honours
+  # grad_dtypes gives the ring the same bits as this machine's, which returns fp32 regardless.
+  from jax_fa4 import partitioning
+  case = _ring_case(True)
+  bf = dict(case, args=tuple(x.astype(jnp.bfloat16) for x in case["args"]))
+  D = 4
+  mesh = _mesh((D,), ("sp",))
+  want = _run_ring(bf, mesh, D, layout, True, "ring", seq_axis="sp")
+  base = backends.get(IMPL)
+  seen = set()
+
+  def backward(*args):
+    cfg = args[-1]
+    seen.add(tuple(cfg.grad_dtypes))
+    dq, dk, dv, db = base.backward(*args)
+    return (*(g.astype(dt) for g, dt in zip((dq, dk, dv), cfg.grad_dtypes)), db)
+  monkeypatch.setitem(backends._BACKENDS, IMPL, dataclasses.replace(base, backward=backward))
+  try:
+    got = _run_ring(bf, mesh, D, layout, True, "ring", seq_axis="sp")
+  finally:
+    partitioning._op.cache_clear()
+  assert seen == {("float32",) * 3}, seen
+  for name, a, b in zip(NAMES, got, want):
+    assert a.dtype == b.dtype, name
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_ring_attention_local_inside_user_shard_map():
   case = _ring_case(True)
   D = 4
