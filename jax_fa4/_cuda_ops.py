@@ -44,6 +44,20 @@ _T_EXACT_ROWS_FLOAT = "jax_fa4_cuda_exact_rows_float"
 _T_FWD = "jax_fa4_cuda_fwd"
 _T_BWD = "jax_fa4_cuda_bwd"
 _BWD_BLOCK_M = 64  # the backward's query tile: lse2 / delta rows are padded to it (launch.h kBwdBlockM)
+# dQ of a bf16 / f16 gradient is accumulated in fp32 a chunk of (batches, kv heads) at a time and
+# written over the bf16 copy of q (csrc/cuda/bwd_dq_epilogue.cuh): a quarter of the accumulator is
+# live instead of all of it, once it is large enough to matter next to the step's other tensors.
+_DQ_CHUNKS = 4
+_DQ_CHUNK_MIN_BYTES = 32 << 20
+
+
+def _dq_chunking(B, T, N, K, H):
+  """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator."""
+  if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES:
+    return B, K
+  if B >= _DQ_CHUNKS:
+    return -(-B // _DQ_CHUNKS), K
+  return 1, -(-K // -(-_DQ_CHUNKS // B))
 _LOG2E = 1.4426950408889634
 
 
@@ -341,8 +355,9 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
 
 def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, delta, q_seqlen,
              kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
-             deterministic: bool = False, dkv_dtype=jnp.float32):
-  """MX attention backward on Hopper: ``(dq [B,T,N,H] float32, dk, dv [B,S,K,H] in dkv_dtype)``.
+             deterministic: bool = False, dkv_dtype=jnp.float32, dq_dtype=jnp.float32,
+             _dq_chunk=None):
+  """MX attention backward on Hopper: ``(dq [B,T,N,H] in dq_dtype, dk, dv [B,S,K,H] in dkv_dtype)``.
 
   q, k, v: MXArray blocked along H (axis 3): the forward's q and k, and v blocked along H.
   do: dO as an MXArray blocked along H, or the cotangent itself ([B,T,N,H] float), which is used
@@ -356,6 +371,11 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   instead of unordered ones.
   ``dkv_dtype``: float32, bfloat16 or float16; dK and dV are accumulated in fp32 and rounded once,
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
+  ``dq_dtype``: float32, bfloat16 or float16; dQ is accumulated in fp32 across the key tiles and
+  rounded once. For bfloat16 / float16 the accumulator covers one chunk of (batches, kv heads) at a
+  time (``_dq_chunking``; ``_dq_chunk=(batches, kv_heads)`` overrides it, for tests) and a bfloat16
+  dQ is written over the kernel's bf16 copy of q: one chunk's fp32 accumulator is live instead of all
+  of dQ's.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     _check_mx(name, x, 3)
@@ -384,11 +404,23 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
     raise ValueError(f"dkv_dtype={dkv_dtype!r} must be one of float32, bfloat16, float16") from None
   if dkv_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"dkv_dtype={dkv_dtype} must be one of float32, bfloat16, float16")
+  try:
+    dq_dtype = jnp.dtype(dq_dtype)
+  except TypeError:
+    raise ValueError(f"dq_dtype={dq_dtype!r} must be one of float32, bfloat16, float16") from None
+  if dq_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"dq_dtype={dq_dtype} must be one of float32, bfloat16, float16")
   q_len = _check_lengths("q_seqlen", q_seqlen, B)
   kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
   _ensure()
+  if dq_dtype == jnp.dtype(jnp.float32):
+    chunk_b, chunk_kh = B, K  # dQ is its own accumulator
+  else:
+    chunk_b, chunk_kh = _dq_chunking(B, T, N, K, H) if _dq_chunk is None else _dq_chunk
+    if not (1 <= chunk_b <= max(B, 1) and 1 <= chunk_kh <= K):
+      raise ValueError(f"_dq_chunk={_dq_chunk!r} must be (batches in [1, {B}], kv heads in [1, {K}])")
   if T == 0 or S == 0 or B == 0 or N == 0:
-    return (jnp.zeros((B, T, N, H), jnp.float32), jnp.zeros((B, S, K, H), dkv_dtype),
+    return (jnp.zeros((B, T, N, H), dq_dtype), jnp.zeros((B, S, K, H), dkv_dtype),
             jnp.zeros((B, S, K, H), dkv_dtype))
   # q and dO: bf16 copies for the kernel's TMA ring. K and V go in as MX (data + scale bytes): each
   # CTA dequantizes its key tile into shared memory (the same bf16 bits as _exact_rows), which
@@ -406,16 +438,23 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   delta_t = jnp.pad(jnp.asarray(delta).transpose(0, 2, 1), ((0, 0), (0, 0), (0, t_pad - T)))
   left, right = _norm_window(window)
   chunks = H // 128 if H > 128 else 1  # CTAs per key tile along H (launch.h bwd_column_chunks)
-  out = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
+  # dq_acc: the fp32 accumulator of one dQ chunk (none for a float32 dQ, its own accumulator).
+  acc_shape = (0,) if dq_dtype == jnp.dtype(jnp.float32) else (chunk_b, T, chunk_kh * (N // K), H)
+  out = (jax.ShapeDtypeStruct((B, T, N, H), dq_dtype), jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
          jax.ShapeDtypeStruct((B, S, K, H), dkv_dtype),
-         jax.ShapeDtypeStruct((B, N, chunks, t_pad // _BWD_BLOCK_M), jnp.int32))
-  dq, dk, dv, _ = jax.ffi.ffi_call(_T_BWD, out, vmap_method="broadcast_all")(
+         jax.ShapeDtypeStruct((B, N, chunks, t_pad // _BWD_BLOCK_M), jnp.int32),
+         jax.ShapeDtypeStruct(acc_shape, jnp.float32))
+  # A bf16 dQ is written over qe, the kernel's bf16 copy of q, chunk by chunk after the CTAs that
+  # read that chunk's q are done: its 2 bytes per element are not another live tensor.
+  aliases = {0: 0} if dq_dtype == jnp.dtype(jnp.bfloat16) else None
+  dq, dk, dv, _, _ = jax.ffi.ffi_call(_T_BWD, out, vmap_method="broadcast_all",
+                                      input_output_aliases=aliases)(
       qe, k.data, mx.e8m0_to_bytes(k.scale), v.data, mx.e8m0_to_bytes(v.scale), doe, lse2, delta_t, q_len,
       kv_len, scale=np.float32(scale),
       causal=np.int64(bool(is_causal)), window_left=np.int64(left), window_right=np.int64(right),
-      deterministic=np.int64(bool(deterministic)))
-  # The kernel accumulates dS K; the softmax scale of dQ is applied here (fused with the cast).
-  return dq * np.float32(scale), dk, dv
+      deterministic=np.int64(bool(deterministic)), dq_chunk_kh=np.int64(chunk_kh))
+  # The kernel accumulates dS K; its dQ epilogue applies the softmax scale with the one rounding.
+  return dq, dk, dv
 
 
 __all__ = ["available", "unsupported_reason", "forward_mx", "forward_float", "backward", "quantize",

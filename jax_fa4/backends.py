@@ -151,15 +151,17 @@ def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, 
   # second orientations (q_t, k_s, do_t) are unused here. do_h: the cotangent itself from
   # dot_product_attention (raw_cotangent), an MXArray blocked along H from ring attention.
   # dK and dV leave the kernel in the gradients' dtype when k and v share one (rounded once from
-  # fp32 in the kernel: no fp32 copies of them for bf16 training); dQ is fp32 (accumulated across
-  # CTAs), scaled and cast in one XLA pass.
+  # fp32 in the kernel: no fp32 copies of them for bf16 training); dQ likewise, accumulated in fp32
+  # one chunk of heads at a time and rounded once to q's gradient dtype (_cuda_ops.backward).
   dkv = {cfg.grad_dtypes[1], cfg.grad_dtypes[2]}
   dkv_dtype = dkv.pop() if len(dkv) == 1 and None not in dkv else "float32"
   if dkv_dtype not in ("float32", "bfloat16", "float16"):
     dkv_dtype = "float32"
+  dq_dtype = cfg.grad_dtypes[0] if cfg.grad_dtypes[0] in ("bfloat16", "float16") else "float32"
   dq, dk, dv = _cuda_ops().backward(q_h, k_h, v_h, do_h, lse, delta, q_len, kv_len,
                                     scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
-                                    deterministic=cfg.deterministic, dkv_dtype=dkv_dtype)
+                                    deterministic=cfg.deterministic, dkv_dtype=dkv_dtype,
+                                    dq_dtype=dq_dtype)
   return dq, dk, dv, None
 
 

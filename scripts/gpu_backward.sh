@@ -48,6 +48,10 @@ for H in [int(h) for h in os.environ.get("SAN_H", "64 128 256").split()]:
   for det in (False, True):
     g = co.backward(qm, km, km, qm, lse, jnp.sum(o * q, -1), ql, kl, scale=0.1, is_causal=True, window=(40, None), deterministic=det)
     jax.block_until_ready(g)
+    # bf16 dQ in chunks of one batch x one kv head, written over q's bf16 copy (two chunks here)
+    g = co.backward(qm, km, km, qm, lse, jnp.sum(o * q, -1), ql, kl, scale=0.1, is_causal=True, window=(40, None),
+                    deterministic=det, dq_dtype=jnp.bfloat16, _dq_chunk=(1, 1))
+    jax.block_until_ready(g)
   if os.environ.get("SAN_FWD", "1") == "1":
     kf = jnp.asarray(rng.standard_normal((1, 700, 1, H)), jnp.float32)
     qf = q[:1, :100]

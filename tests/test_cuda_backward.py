@@ -305,6 +305,45 @@ def test_raw_bf16_cotangent_is_bitwise_the_mx_path(H):
       np.testing.assert_array_equal(x, y, err_msg=f"{name} (do {do_in.dtype})")
 
 
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_dq_chunks_are_the_fp32_dq_rounded_once(H):
+  """A bf16 / fp16 dQ, accumulated one chunk of (batches, kv heads) at a time and written over the
+  kernel's bf16 copy of q, is the float32 dQ rounded once, bit for bit, for every chunking: one
+  batch x one kv head, partial last chunks in both axes, the whole problem, the automatic choice.
+  Deterministic mode, so both sides add in the same order; GQA, ragged lengths, causal with a
+  window, a partial last query tile. dQ aliases q's copy, so a chunk the kernel skipped would show
+  q's values, not zeros."""
+  B, T, S, N, K = 3, 113, 200, 6, 3
+  q, k, v = make_qkv("normal", B, T, S, N, K, H, seed=_SEED + 31)
+  do = make_do("varying", B, T, N, H, seed=_SEED + 32)
+  q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
+  ql, kl = jnp.array([113, 60, 1], jnp.int32), jnp.array([200, 131, 31], jnp.int32)
+  qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
+  kw = dict(scale=H ** -0.5, is_causal=True, window=(90, None))
+  o, lse = _ops().forward_mx(qm, km, vm, ql, kl, out_dtype=jnp.float32, **kw)
+  args = (qm, km, mx.quantize(v, 3), do, lse, jnp.sum(o * do, -1), ql, kl)
+  want = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  assert want[0].dtype == np.float32 and np.abs(want[0]).max() > 0
+  for dt in (jnp.bfloat16, jnp.float16):
+    want_dq = np.asarray(jnp.asarray(want[0]).astype(dt).astype(jnp.float32))
+    for chunk in ((1, 1), (2, 2), (2, 1), (1, 3), (3, 3), None):
+      jax.block_until_ready(jnp.full((B, T, N, H), jnp.nan))  # poison
+      got = _ops().backward(*args, deterministic=True, dq_dtype=dt, _dq_chunk=chunk, **kw)
+      assert got[0].dtype == dt
+      np.testing.assert_array_equal(np.asarray(got[0].astype(jnp.float32)), want_dq,
+                                    err_msg=f"dq {jnp.dtype(dt).name} chunk {chunk}")
+      for name, x, y in (("dk", got[1], want[1]), ("dv", got[2], want[2])):
+        np.testing.assert_array_equal(np.asarray(x), y, err_msg=f"{name} chunk {chunk}")
+  # Under jit and vmap (the accumulator gains the vmapped axis: the kernel then takes more batches
+  # per chunk), still the fp32 dQ rounded once.
+  bwd = lambda *a: _ops().backward(*a, deterministic=True, dq_dtype=jnp.bfloat16, _dq_chunk=(1, 1), **kw)
+  stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), args)
+  batched = jax.jit(jax.vmap(bwd))(*stacked)
+  want_dq = np.asarray(jnp.asarray(want[0]).astype(jnp.bfloat16).astype(jnp.float32))
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(batched[0][i].astype(jnp.float32)), want_dq, err_msg="vmapped dq")
+
+
 def test_backward_bad_input_raises():
   q = mx.quantize(jnp.ones((1, 8, 2, 64)), 3)
   k = mx.quantize(jnp.ones((1, 8, 1, 64)), 3)
@@ -320,6 +359,10 @@ def test_backward_bad_input_raises():
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, deterministic="yes")
   with pytest.raises(ValueError, match="dkv_dtype"):
     _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, dkv_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="dq_dtype"):
+    _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, dq_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="_dq_chunk"):
+    _ops().backward(q, k, k, q, lse, lse, L, L, scale=0.1, dq_dtype=jnp.bfloat16, _dq_chunk=(1, 2))
   with pytest.raises(ValueError, match="do.dtype"):
     _ops().backward(q, k, k, jnp.ones((1, 8, 2, 64), jnp.int32), lse, lse, L, L, scale=0.1)
   with pytest.raises(ValueError, match="do.shape"):

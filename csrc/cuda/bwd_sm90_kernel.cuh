@@ -53,7 +53,10 @@ struct BwdParams {
   const float* delta;     // [B, N, T_pad] rowsum(O * dO); 0 past T
   const int32_t* q_len;   // [B]
   const int32_t* kv_len;  // [B]
-  float* dq;              // [B, T, N, H] fp32, zeroed by the launcher; unscaled (dS K)
+  int b0, kh0;            // the launch's first batch and kv head (the launcher's dQ chunks)
+  int dq_N;               // heads of the dQ accumulator (the launch's kv heads x group)
+  float* dq;              // [launch batches, T, dq_N, H] fp32 accumulator of the launch's heads,
+                          // zeroed by the launcher; unscaled (dS K)
   void* dk;               // [B, S, Kh, H] (scale applied), fp32 / bf16 / fp16 as dkv_type
   void* dv;               // [B, S, Kh, H]
   int dkv_type;           // 0 fp32, 1 bf16, 2 fp16 (launch.h FloatType)
@@ -279,10 +282,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int n_tile = blockIdx.x;  // key tile: fastest grid index, so tile j-1 launches before j
   const int k0 = n_tile * BN;
-  const int kh = blockIdx.y / Cfg::kChunks;
+  const int kh = p.kh0 + blockIdx.y / Cfg::kChunks;
   const int chunk = blockIdx.y % Cfg::kChunks;
   const int h0 = chunk * HV;  // this CTA's dK / dV / dQ columns
-  const int b = blockIdx.z;
+  const int b = p.b0 + blockIdx.z;
+  // The dQ accumulator holds only this launch's batches and heads (launcher: dQ in chunks).
+  const int dq_b = blockIdx.z, dq_n0 = p.kh0 * p.group;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) {
@@ -336,7 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int q_col = Cfg::kSplitKeysDQ ? h0 : h0 + 64 * c;
 #pragma unroll
           for (int half = 0; half < 2; ++half)
-            tma_reduce_add_4d(&tm_dq, sdQ + c * kDQTile + half * (kDQTile / 2), q_col + 32 * half, m0, n_head, b);
+            tma_reduce_add_4d(&tm_dq, sdQ + c * kDQTile + half * (kDQTile / 2), q_col + 32 * half, m0,
+                              n_head - dq_n0, dq_b);
         }
         bulk_commit();
         if (p.deterministic) {
@@ -654,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const int row = m0 + warp * 16 + gid + 8 * h;
         if (row < p.T) {
-          float* dst = p.dq + (((int64_t)b * p.T + row) * p.N + n_head) * p.H + q_col + 2 * tq;
+          float* dst = p.dq + (((int64_t)dq_b * p.T + row) * p.dq_N + (n_head - dq_n0)) * p.H + q_col + 2 * tq;
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]));

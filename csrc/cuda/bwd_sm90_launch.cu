@@ -1,9 +1,12 @@
-// Launcher of the sm_90a backward kernel: zeroes the dQ accumulator (and the deterministic-order
-// counters), builds the TMA tensor maps (Q, dO, dQ; the kernel reads K and V as MX itself) and
-// launches one CTA per (128-key tile, kv head x column chunk, batch), key tiles fastest so that
-// tile j - 1 is resident before tile j waits on it.
+// Launcher of the sm_90a backward kernel. dQ is accumulated in fp32 one chunk of (batches, kv
+// heads) at a time (bwd_dq_epilogue.cuh says why): per chunk it zeroes the accumulator, builds no
+// new maps (the dQ map describes one chunk; Q and dO's describe the whole tensors; the kernel reads
+// K and V as MX itself), launches one CTA per (128-key tile, kv head x column chunk, batch) of the
+// chunk, key tiles fastest so that tile j - 1 is resident before tile j waits on it, and then
+// writes the chunk's dQ * scale in the gradient's dtype.
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include "cuda/bwd_dq_epilogue.cuh"
 #include "cuda/bwd_sm90_kernel.cuh"
 #include "cuda/launch.h"
 #include "cuda/tma_map.h"
@@ -26,6 +29,39 @@ static_assert(bwd_column_chunks(64) == BwdTileConfig<64>::kChunks && bwd_column_
                   bwd_column_chunks(256) == BwdTileConfig<256>::kChunks,
               "launch.h and tile_config.cuh disagree on the column chunks");
 
+// Launches the epilogue over the chunk (batches [b0, b0 + nb), kv heads [kh0, kh0 + nkh)). The
+// accumulator's rows are always chunk_kh kv heads long (the dQ map and p.dq_N say so), a last,
+// partial chunk fills the first nkh of them.
+cudaError_t dq_epilogue(const BwdArgs& a, int b0, int nb, int kh0, int nkh, cudaStream_t stream) {
+  const int group = a.N / a.Kh;
+  const int acc_row = a.chunk_kh * group * a.H, row_len = nkh * group * a.H;
+  const int64_t rows = (int64_t)nb * a.T;
+  const int64_t out_row = (int64_t)a.N * a.H, out_batch = (int64_t)a.T * a.N * a.H;
+  const int64_t start = (int64_t)b0 * out_batch + (int64_t)kh0 * group * a.H;
+  const int64_t groups = rows * (row_len / 8);
+  const int threads = 256;
+  const int64_t want = (groups + threads - 1) / threads;
+  const int blocks = (int)(want < 8192 ? (want > 0 ? want : 1) : 8192);  // grid-stride beyond
+  switch (a.dq_type) {
+    case FloatType::kF32:
+      sm90::dq_epilogue_kernel<float><<<blocks, threads, 0, stream>>>(
+          a.dq_acc, acc_row, static_cast<float*>(a.dq) + start, rows, row_len, a.T, out_row, out_batch, a.scale);
+      break;
+    case FloatType::kBF16:
+      sm90::dq_epilogue_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
+          a.dq_acc, acc_row, static_cast<__nv_bfloat16*>(a.dq) + start, rows, row_len, a.T, out_row, out_batch,
+          a.scale);
+      break;
+    case FloatType::kF16:
+      sm90::dq_epilogue_kernel<__half><<<blocks, threads, 0, stream>>>(
+          a.dq_acc, acc_row, static_cast<__half*>(a.dq) + start, rows, row_len, a.T, out_row, out_batch, a.scale);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 template <int H>
 cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<H>;
@@ -39,23 +75,35 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   };
   if (auto e = rows_map(&tm_q, a.q, a.T, a.N, Cfg::kBlockM); e != cudaSuccess) return e;
   if (auto e = rows_map(&tm_do, a.dout, a.T, a.N, Cfg::kBlockM); e != cudaSuccess) return e;
-  // dQ as fp32 elements [B, T, N, H]: the writer's reduce-add box is 32 columns (128 bytes, the
-  // 128B swizzle's row) x BM rows; rows past T are dropped by the TMA unit.
+  // The dQ accumulator of one chunk as fp32 elements [chunk_b, T, dq_N, H]: the writer's reduce-add
+  // box is 32 columns (128 bytes, the 128B swizzle's row) x BM rows; rows past T are dropped by the
+  // TMA unit.
   CUtensorMap tm_dq;
   {
-    const cuuint64_t dims[4] = {(cuuint64_t)a.H, (cuuint64_t)a.T, (cuuint64_t)a.N, (cuuint64_t)a.B};
-    const cuuint64_t str[3] = {(cuuint64_t)a.N * a.H * 4, (cuuint64_t)a.H * 4, (cuuint64_t)a.T * a.N * a.H * 4};
+    const cuuint64_t dims[4] = {(cuuint64_t)a.H, (cuuint64_t)a.T, (cuuint64_t)p.dq_N, (cuuint64_t)a.chunk_b};
+    const cuuint64_t str[3] = {(cuuint64_t)p.dq_N * a.H * 4, (cuuint64_t)a.H * 4, (cuuint64_t)a.T * p.dq_N * a.H * 4};
     const cuuint32_t box[4] = {32, (cuuint32_t)Cfg::kBlockM, 1, 1};
-    if (auto e = make_map(&tm_dq, a.dq, dims, str, box, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+    if (auto e = make_map(&tm_dq, a.dq_acc, dims, str, box, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
         e != cudaSuccess)
       return e;
   }
   if (cudaError_t e = set_max_smem_once<sm90::bwd_sm90_kernel<H>>(Cfg::kSmemBytes); e != cudaSuccess) return e;
   const int n_tiles = (a.S + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if ((int64_t)a.Kh * Cfg::kChunks > 65535) return cudaErrorInvalidValue;
-  dim3 grid(n_tiles, a.Kh * Cfg::kChunks, a.B);
-  sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_do, tm_dq, p);
-  return cudaGetLastError();
+  const size_t acc_bytes = sizeof(float) * (size_t)a.chunk_b * a.T * p.dq_N * a.H;
+  for (int b0 = 0; b0 < a.B; b0 += a.chunk_b)
+    for (int kh0 = 0; kh0 < a.Kh; kh0 += a.chunk_kh) {
+      const int nb = a.B - b0 < a.chunk_b ? a.B - b0 : a.chunk_b;
+      const int nkh = a.Kh - kh0 < a.chunk_kh ? a.Kh - kh0 : a.chunk_kh;
+      if (cudaError_t e = cudaMemsetAsync(a.dq_acc, 0, acc_bytes, stream); e != cudaSuccess) return e;
+      p.b0 = b0;
+      p.kh0 = kh0;
+      dim3 grid(n_tiles, nkh * Cfg::kChunks, nb);
+      sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_do, tm_dq, p);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+      if (cudaError_t e = dq_epilogue(a, b0, nb, kh0, nkh, stream); e != cudaSuccess) return e;
+    }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -66,10 +114,12 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   // The kernel reads K and V 16 bytes at a time (rows are H >= 64 bytes); the TMA maps of the bf16
   // copies it replaced needed 16-byte aligned bases as well.
   if ((reinterpret_cast<uintptr_t>(a.k8) | reinterpret_cast<uintptr_t>(a.v8)) % 16 != 0) return cudaErrorInvalidValue;
+  // One dQ chunk when dQ is fp32: the output is its own accumulator (scaled in place at the end).
+  if (a.chunk_b < 1 || a.chunk_kh < 1 || (a.dq_type == FloatType::kF32 && (a.chunk_b != a.B || a.chunk_kh != a.Kh ||
+                                                                            a.dq_acc != a.dq)))
+    return cudaErrorInvalidValue;
   const int num_m_blocks = (a.T + kBwdBlockM - 1) / kBwdBlockM;
   if (a.B == 0 || a.T == 0 || a.N == 0 || a.S == 0) return cudaSuccess;  // Python returns zeros
-  if (cudaError_t e = cudaMemsetAsync(a.dq, 0, sizeof(float) * (size_t)a.B * a.T * a.N * a.H, stream); e != cudaSuccess)
-    return e;
   if (a.deterministic) {
     if (cudaError_t e = cudaMemsetAsync(a.sem, 0, sizeof(int32_t) * (size_t)a.B * a.N * bwd_column_chunks(a.H) * num_m_blocks, stream);
         e != cudaSuccess)
@@ -79,10 +129,11 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   p.B = a.B; p.T = a.T; p.S = a.S; p.N = a.N; p.Kh = a.Kh; p.H = a.H;
   p.k8 = a.k8; p.ks = a.ks; p.v8 = a.v8; p.vs = a.vs;
   p.group = a.N / a.Kh;
+  p.dq_N = a.chunk_kh * p.group;
   p.T_pad = a.T_pad;
   p.num_m_blocks = num_m_blocks;
   p.lse2 = a.lse2; p.delta = a.delta; p.q_len = a.q_len; p.kv_len = a.kv_len;
-  p.dq = a.dq; p.dk = a.dk; p.dv = a.dv; p.sem = a.sem;
+  p.dq = a.dq_acc; p.dk = a.dk; p.dv = a.dv; p.sem = a.sem;
   p.dkv_type = static_cast<int>(a.dkv_type);
   p.deterministic = a.deterministic ? 1 : 0;
   p.scale = a.scale;

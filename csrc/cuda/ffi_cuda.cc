@@ -250,14 +250,17 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q8, ffi::Buffer<ffi::F32>
 // bwd: q, dout [..., T, N, H] bf16 (exact dequantized MX values); k8, v8 [..., S, Kh, H] e4m3 with
 // their E8M0 scale bytes ks, vs [..., S, Kh, H/32] (MX blocked along H: the kernel dequantizes them
 // into shared memory, so no bf16 copy of K or V is made); lse2, delta [..., N, T_pad] f32
-// -> dq [..., T, N, H] f32, dk, dv [..., S, Kh, H] f32 / bf16 / f16 (both alike),
-// sem [..., N, column chunks, ceil(T/64)] scratch.
+// -> dq [..., T, N, H] f32 / bf16 / f16 (dS K * scale; may alias q), dk, dv [..., S, Kh, H] f32 /
+// bf16 / f16 (both alike), sem [..., N, column chunks, ceil(T/64)] scratch, dq_acc scratch: the fp32
+// accumulator of one dQ chunk of dq_chunk_kh kv heads and as many batches as it holds (unused, any
+// size, when dq is f32: dq is then its own accumulator).
 ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi::Buffer<ffi::U8> ks,
                    ffi::AnyBuffer v8, ffi::Buffer<ffi::U8> vs, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse2,
                    ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    float scale, int64_t causal, int64_t window_left, int64_t window_right, int64_t deterministic,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::S32>> sem) {
+                   int64_t dq_chunk_kh, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::Buffer<ffi::S32>> sem,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dq_acc) {
   for (const ffi::AnyBuffer* x : {&q, &dout})
     if (x->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("bwd: q and dout must be bfloat16 (exact MX values)");
@@ -293,9 +296,26 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi
       (int64_t)dv->element_count() != B * S * Kh * H ||
       (int64_t)sem->element_count() != B * N * bwd_column_chunks((int)H) * ((T + kBwdBlockM - 1) / kBwdBlockM))
     return ffi::Error::InvalidArgument("bwd: an output has the wrong size");
-  FloatType dkv_type;
+  FloatType dkv_type, dq_type;
   if (!float_type_of(dk->element_type(), &dkv_type) || dv->element_type() != dk->element_type())
     return ffi::Error::InvalidArgument("bwd: dk and dv must both be f32, bf16 or f16");
+  if (!float_type_of(dq->element_type(), &dq_type))
+    return ffi::Error::InvalidArgument("bwd: dq must be f32, bf16 or f16");
+  // dQ chunks: dq_chunk_kh kv heads by as many batches as dq_acc holds (all of them at most).
+  int64_t chunk_b = B, chunk_kh = Kh;
+  if (dq_type != FloatType::kF32 && B > 0 && T > 0 && N > 0) {
+    if (dq_chunk_kh < 1 || dq_chunk_kh > Kh)
+      return ffi::Error::InvalidArgument("bwd: dq_chunk_kh " + std::to_string(dq_chunk_kh) + " not in [1, " +
+                                         std::to_string(Kh) + "]");
+    chunk_kh = dq_chunk_kh;
+    const int64_t per_batch = T * chunk_kh * (N / Kh) * H;
+    chunk_b = (int64_t)dq_acc->element_count() / per_batch;
+    if (chunk_b < 1)
+      return ffi::Error::InvalidArgument("bwd: dq_acc holds " + std::to_string(dq_acc->element_count()) +
+                                         " values, less than one batch of a dQ chunk (" + std::to_string(per_batch) +
+                                         ")");
+    if (chunk_b > B) chunk_b = B;
+  }
   if (T > INT32_MAX || S > INT32_MAX - 128 || B > 65535 || Kh * ((H + 127) / 128) > 65535 /* kv heads x column chunks */)
     return ffi::Error::InvalidArgument("bwd: sizes exceed the kernel's grid");
   BwdArgs a{};
@@ -310,7 +330,11 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k8, ffi
   a.delta = delta.typed_data();
   a.q_len = q_len.typed_data();
   a.kv_len = kv_len.typed_data();
-  a.dq = dq->typed_data();
+  a.dq = dq->untyped_data();
+  a.dq_type = dq_type;
+  a.dq_acc = dq_type == FloatType::kF32 ? static_cast<float*>(dq->untyped_data()) : dq_acc->typed_data();
+  a.chunk_b = (int)chunk_b;
+  a.chunk_kh = (int)chunk_kh;
   a.dk = dk->untyped_data();
   a.dv = dv->untyped_data();
   a.dkv_type = dkv_type;
@@ -415,8 +439,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4CudaBwd, BwdImpl,
                                   .Attr<int64_t>("window_left")        // -1: unbounded
                                   .Attr<int64_t>("window_right")       // -1: unbounded
                                   .Attr<int64_t>("deterministic")      // 0 / 1: ordered dQ adds
-                                  .Ret<ffi::Buffer<ffi::F32>>()        // dq [..., T, N, H] (unscaled dS K)
+                                  .Attr<int64_t>("dq_chunk_kh")        // kv heads per dQ chunk (bf16/f16 dq)
+                                  .Ret<ffi::AnyBuffer>()               // dq [..., T, N, H] f32 / bf16 / f16, * scale
                                   .Ret<ffi::AnyBuffer>()               // dk [..., S, Kh, H] f32 / bf16 / f16
                                   .Ret<ffi::AnyBuffer>()               // dv [..., S, Kh, H], dk's dtype
-                                  .Ret<ffi::Buffer<ffi::S32>>(),       // sem [..., N, chunks, ceil(T/64)] scratch
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // sem [..., N, chunks, ceil(T/64)] scratch
+                                  .Ret<ffi::Buffer<ffi::F32>>(),       // dq_acc: one dQ chunk's fp32 accumulator
                               {ffi::Traits::kCmdBufferCompatible});

@@ -61,7 +61,12 @@ struct BwdArgs {
   const float* delta;    // [B, N, T_pad] rowsum(O * dO), 0 past T
   const int32_t* q_len;  // [B]
   const int32_t* kv_len; // [B]
-  float* dq;             // [B, T, N, H] fp32: dS K, zeroed here, without the softmax scale
+  void* dq;              // [B, T, N, H] in dq_type: dS K * scale (may alias q: each dQ chunk is
+                         // written after the only CTAs that read its slice of q are done)
+  FloatType dq_type;
+  float* dq_acc;         // fp32 accumulator of one dQ chunk, [chunk_b, T, chunk_kh * N / Kh, H];
+                         // == dq (all of it, one chunk) when dq_type is fp32
+  int chunk_b, chunk_kh; // batches and kv heads per dQ chunk (one launch of the kernel each)
   void* dk;              // [B, S, Kh, H] in dkv_type
   void* dv;              // [B, S, Kh, H] in dkv_type
   FloatType dkv_type;    // fp32, bf16 or fp16: dK and dV leave the kernel in the gradients' dtype
@@ -71,7 +76,9 @@ struct BwdArgs {
   bool causal, deterministic;
   int64_t window_left, window_right;  // -1: unbounded
 };
-// Zeroes dq (and sem), then launches one CTA per (128-key tile, kv head x column chunk, batch).
+// Per dQ chunk (chunk_b batches x chunk_kh kv heads): zeroes the accumulator, launches one CTA per
+// (128-key tile, kv head x column chunk, batch) of the chunk, then writes dQ * scale into the
+// chunk's slice of dq. Zeroes sem once.
 cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream);
 // The query tile of the backward: lse2 / delta rows are padded to a multiple of it.
 constexpr int kBwdBlockM = 64;

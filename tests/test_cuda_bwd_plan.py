@@ -1,0 +1,68 @@
+"""The memory plan of the CUDA backward's dQ, checked on the lowered program (no GPU needed).
+
+A bf16 / f16 dQ is accumulated in fp32 one chunk of (batches, kv heads) at a time, and a bf16 dQ is
+written over the kernel's bf16 copy of q (csrc/cuda/bwd_dq_epilogue.cuh): the custom call must
+alias that output to that operand and ask for one chunk's accumulator, not all of dQ's. The kernels
+themselves are tested on the GPU (tests/test_cuda_backward.py, test_dq_chunks_are_the_fp32_dq_rounded_once).
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_fa4 import _cuda_ops, mx
+
+
+def _lowered_bwd(monkeypatch, B, T, N, K, H, dq_dtype):
+  monkeypatch.setattr(_cuda_ops, "_ensure", lambda: None)  # lowering only: nothing runs
+
+  def f(q, k, v, do, lse, delta, ql, kl):
+    qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 3)
+    return _cuda_ops.backward(qm, km, vm, do, lse, delta, ql, kl, scale=0.1, dq_dtype=dq_dtype,
+                              dkv_dtype=jnp.bfloat16)
+
+  sds = jax.ShapeDtypeStruct
+  args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16),
+          sds((B, T, N, H), jnp.bfloat16), sds((B, T, N), jnp.float32), sds((B, T, N), jnp.float32),
+          sds((B,), jnp.int32), sds((B,), jnp.int32))
+  text = jax.jit(f).lower(*args).as_text()
+  (line,) = [l for l in text.splitlines() if "@jax_fa4_cuda_bwd" in l]
+  return line
+
+
+def _results(line):
+  return [(d.rstrip("x"), t) for d, t in re.findall(r"tensor<([0-9x]*)(bf16|f16|f32|i32)>", line.split("->")[-1])]
+
+
+@pytest.mark.parametrize("dq_dtype", ["bfloat16", "float16", "float32"])
+def test_large_dq_is_accumulated_a_quarter_at_a_time(monkeypatch, dq_dtype):
+  B, T, N, K, H = 2, 8192, 16, 8, 128  # the issue's shape with GQA: 128 MiB of fp32 dQ
+  line = _lowered_bwd(monkeypatch, B, T, N, K, H, jnp.dtype(dq_dtype))
+  res = _results(line)
+  short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dq_dtype]
+  assert res[0] == ("2x8192x16x128", short)  # dq in the gradient's dtype, scaled by the kernel
+  if dq_dtype == "float32":
+    assert res[4] == ("0", "f32")  # dQ is its own accumulator
+  else:
+    assert res[4] == ("1x8192x8x128", "f32")  # one batch x 4 of 8 kv heads (x 2 query heads each)
+    assert "dq_chunk_kh = 4" in line
+  aliased = "output_operand_aliases" in line
+  assert aliased == (dq_dtype == "bfloat16"), line  # dQ over the bf16 copy of q (operand 0)
+  if aliased:
+    assert "output_tuple_indices = [0], operand_index = 0" in line
+
+
+def test_dq_chunking_rule():
+  ch = _cuda_ops._dq_chunking
+  # Small accumulators (<= 32 MiB) are one chunk.
+  assert ch(2, 1024, 16, 16, 128) == (2, 16)
+  # Large: a quarter of the batches, or of the kv heads of one batch (rounded up: partial chunks).
+  assert ch(8, 8192, 16, 16, 128) == (2, 16)
+  assert ch(5, 8192, 16, 16, 128) == (2, 16)
+  assert ch(2, 8192, 16, 16, 128) == (1, 8)
+  assert ch(1, 16384, 16, 16, 128) == (1, 4)
+  assert ch(1, 16384, 16, 3, 128) == (1, 1)
+  assert ch(1, 65536, 16, 1, 128) == (1, 1)  # MQA, one batch: nothing to split (a known gap)
