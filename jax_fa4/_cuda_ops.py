@@ -353,6 +353,18 @@ def forward_float(q, k, v, q_seqlen, kv_seqlen, *, scale: float, is_causal: bool
               out_dtype=out_dtype)
 
 
+def _grad_dtype(name, dtype):
+  """A gradient dtype argument as a jnp.dtype: float32, bfloat16 or float16, else ValueError naming it."""
+  ok = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt not in ok:
+    raise ValueError(f"{name}={dtype!r} must be one of float32, bfloat16, float16")
+  return dt
+
+
 def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, delta, q_seqlen,
              kv_seqlen, *, scale: float, is_causal: bool = False, window=None,
              deterministic: bool = False, dkv_dtype=jnp.float32, dq_dtype=jnp.float32,
@@ -398,18 +410,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
       raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be {(B, T, N)} float32")
   if not isinstance(deterministic, (bool, np.bool_)):
     raise ValueError(f"deterministic={deterministic!r} must be a bool")
-  try:
-    dkv_dtype = jnp.dtype(dkv_dtype)
-  except TypeError:
-    raise ValueError(f"dkv_dtype={dkv_dtype!r} must be one of float32, bfloat16, float16") from None
-  if dkv_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(f"dkv_dtype={dkv_dtype} must be one of float32, bfloat16, float16")
-  try:
-    dq_dtype = jnp.dtype(dq_dtype)
-  except TypeError:
-    raise ValueError(f"dq_dtype={dq_dtype!r} must be one of float32, bfloat16, float16") from None
-  if dq_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise ValueError(f"dq_dtype={dq_dtype} must be one of float32, bfloat16, float16")
+  dkv_dtype = _grad_dtype("dkv_dtype", dkv_dtype)
+  dq_dtype = _grad_dtype("dq_dtype", dq_dtype)
   q_len = _check_lengths("q_seqlen", q_seqlen, B)
   kv_len = _check_lengths("kv_seqlen", kv_seqlen, B)
   _ensure()
