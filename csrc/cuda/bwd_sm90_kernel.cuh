@@ -11,7 +11,8 @@
 //     dK += dS^T Q (RS wgmma: P^T / dS^T straight from the accumulator registers, dO / Q N-major);
 //     dS^T -> shared memory (bf16), then dQ = dS K (SS, both operands MN-major); each consumer
 //     stores its fp32 dQ tile to shared memory and warp 1 of the producer warpgroup adds it to the
-//     global dQ with TMA reduce-add (H = 256, short of shared memory: fp32 atomics from registers);
+//     launch's fp32 dQ accumulator (one chunk of batches x kv heads, launcher) with TMA reduce-add
+//     (H = 256, short of shared memory: fp32 atomics from registers);
 //     with `deterministic`, the adds are ordered across the key tiles by a per-tile counter.
 // Operands: bf16 holding exact dequantized MX values (q, k blocked along H, v and dO along H), so
 // every product is exact up to fp32 summation order; dS is rounded as the recipe rounds it (MX
