@@ -51,9 +51,15 @@ _DQ_CHUNKS = 4
 _DQ_CHUNK_MIN_BYTES = 32 << 20
 
 
-def _dq_chunking(B, T, N, K, H):
-  """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator."""
-  if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES:
+def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
+  """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator.
+
+  Each chunk's launch drains the GPU before the next starts. With CTAs of equal work that costs
+  nothing (H100, B=2, T=S=8192, N=16, H=128: forward+backward 9095 vs 9048 us in one chunk), but a
+  causal mask's CTAs shrink with their key tile (+14%: 5862 vs 5144 us) and the deterministic dQ
+  order chains them (+7% non-causal): those run in one chunk (docs/HOPPER_BACKWARD.md, "dQ in chunks").
+  """
+  if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES or is_causal or deterministic:
     return B, K
   if B >= _DQ_CHUNKS:
     return -(-B // _DQ_CHUNKS), K
@@ -385,7 +391,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
   ``dq_dtype``: float32, bfloat16 or float16; dQ is accumulated in fp32 across the key tiles and
   rounded once. For bfloat16 / float16 the accumulator covers one chunk of (batches, kv heads) at a
-  time (``_dq_chunking``; ``_dq_chunk=(batches, kv_heads)`` overrides it, for tests) and a bfloat16
+  time (``_dq_chunking``: non-causal, non-deterministic calls only; ``_dq_chunk=(batches, kv_heads)``
+  overrides it, for tests) and a bfloat16
   dQ is written over the kernel's bf16 copy of q: one chunk's fp32 accumulator is live instead of all
   of dQ's.
   """
@@ -418,7 +425,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   if dq_dtype == jnp.dtype(jnp.float32):
     chunk_b, chunk_kh = B, K  # dQ is its own accumulator
   else:
-    chunk_b, chunk_kh = _dq_chunking(B, T, N, K, H) if _dq_chunk is None else _dq_chunk
+    chunk_b, chunk_kh = (_dq_chunking(B, T, N, K, H, bool(is_causal), bool(deterministic)) if _dq_chunk is None
+                         else _dq_chunk)
     if not (1 <= chunk_b <= max(B, 1) and 1 <= chunk_kh <= K):
       raise ValueError(f"_dq_chunk={_dq_chunk!r} must be (batches in [1, {B}], kv heads in [1, {K}])")
   if T == 0 or S == 0 or B == 0 or N == 0:

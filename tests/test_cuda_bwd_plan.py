@@ -16,13 +16,13 @@ import pytest
 from jax_fa4 import _cuda_ops, mx
 
 
-def _lowered_bwd(monkeypatch, B, T, N, K, H, dq_dtype):
+def _lowered_bwd(monkeypatch, B, T, N, K, H, dq_dtype, **kw):
   monkeypatch.setattr(_cuda_ops, "_ensure", lambda: None)  # lowering only: nothing runs
 
   def f(q, k, v, do, lse, delta, ql, kl):
     qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 3)
     return _cuda_ops.backward(qm, km, vm, do, lse, delta, ql, kl, scale=0.1, dq_dtype=dq_dtype,
-                              dkv_dtype=jnp.bfloat16)
+                              dkv_dtype=jnp.bfloat16, **kw)
 
   sds = jax.ShapeDtypeStruct
   args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16),
@@ -55,6 +55,15 @@ def test_large_dq_is_accumulated_a_quarter_at_a_time(monkeypatch, dq_dtype):
     assert "output_tuple_indices = [0], operand_index = 0" in line
 
 
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(deterministic=True)], ids=["causal", "deterministic"])
+def test_causal_or_deterministic_dq_is_one_chunk(monkeypatch, kw):
+  # Still written over q's bf16 copy, but the accumulator is all of dQ's: one launch, no drains.
+  line = _lowered_bwd(monkeypatch, 2, 8192, 16, 8, 128, jnp.dtype(jnp.bfloat16), **kw)
+  assert _results(line)[4] == ("2x8192x16x128", "f32")
+  assert "dq_chunk_kh = 8" in line
+  assert "output_tuple_indices = [0], operand_index = 0" in line
+
+
 def test_dq_chunking_rule():
   ch = _cuda_ops._dq_chunking
   # Small accumulators (<= 32 MiB) are one chunk.
@@ -66,3 +75,6 @@ def test_dq_chunking_rule():
   assert ch(1, 16384, 16, 16, 128) == (1, 4)
   assert ch(1, 16384, 16, 3, 128) == (1, 1)
   assert ch(1, 65536, 16, 1, 128) == (1, 1)  # MQA, one batch: nothing to split (a known gap)
+  # Causal or deterministic: one chunk (each chunk's launch drains the GPU, which costs time there).
+  assert ch(2, 8192, 16, 16, 128, is_causal=True) == (2, 16)
+  assert ch(8, 8192, 16, 16, 128, deterministic=True) == (8, 16)
