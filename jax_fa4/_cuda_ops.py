@@ -44,6 +44,7 @@ _T_EXACT_ROWS_FLOAT = "jax_fa4_cuda_exact_rows_float"
 _T_FWD = "jax_fa4_cuda_fwd"
 _T_BWD = "jax_fa4_cuda_bwd"
 _BWD_BLOCK_M = 64  # the backward's query tile: lse2 / delta rows are padded to it (launch.h kBwdBlockM)
+_LOG2E = 1.4426950408889634
 # dQ of a bf16 / f16 gradient is accumulated in fp32 a chunk of (batches, kv heads) at a time and
 # written over the bf16 copy of q (csrc/cuda/bwd_dq_epilogue.cuh): a quarter of the accumulator is
 # live instead of all of it, once it is large enough to matter next to the step's other tensors.
@@ -64,7 +65,6 @@ def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
   if B >= _DQ_CHUNKS:
     return -(-B // _DQ_CHUNKS), K
   return 1, -(-K // -(-_DQ_CHUNKS // B))
-_LOG2E = 1.4426950408889634
 
 
 def _ext():
@@ -392,9 +392,8 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   ``dq_dtype``: float32, bfloat16 or float16; dQ is accumulated in fp32 across the key tiles and
   rounded once. For bfloat16 / float16 the accumulator covers one chunk of (batches, kv heads) at a
   time (``_dq_chunking``: non-causal, non-deterministic calls only; ``_dq_chunk=(batches, kv_heads)``
-  overrides it, for tests) and a bfloat16
-  dQ is written over the kernel's bf16 copy of q: one chunk's fp32 accumulator is live instead of all
-  of dQ's.
+  overrides it, for tests) and a bfloat16 dQ is written over the kernel's bf16 copy of q: one
+  chunk's fp32 accumulator is live instead of all of dQ's.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     _check_mx(name, x, 3)
