@@ -63,6 +63,7 @@ struct BwdParams {
   int dkv_type;           // 0 fp32, 1 bf16, 2 fp16 (launch.h FloatType)
   int32_t* sem;           // [B, N, column chunks, num_m_blocks] zeroed; used when deterministic
   int deterministic;
+  int tiles_slowest;      // grid (kv head x column chunk, key tile, batch) instead of (key tile, ...)
   float scale;            // softmax scale (dK's factor)
   float scale_log2;       // softmax scale * log2(e)
   MaskParams mask;
@@ -281,10 +282,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* bar_dq_full = bars + 2 * ST;       // both consumers' dQ tiles stored (every thread arrives)
   uint64_t* bar_dq_empty = bars + 1 + 2 * ST;  // the reduce-add has read the dQ tiles
 
-  const int n_tile = blockIdx.x;  // key tile: fastest grid index, so tile j-1 launches before j
+  // Either order launches key tile j - 1 of a head before its tile j, which the deterministic dQ
+  // order waits on. Under a causal mask key tile j's work shrinks with j, so the launcher makes the
+  // key tile the slowest index (heaviest tiles of every head first, the light ones filling the tail).
+  const int n_tile = p.tiles_slowest ? blockIdx.y : blockIdx.x;
+  const int head_chunk = p.tiles_slowest ? blockIdx.x : blockIdx.y;
   const int k0 = n_tile * BN;
-  const int kh = p.kh0 + blockIdx.y / Cfg::kChunks;
-  const int chunk = blockIdx.y % Cfg::kChunks;
+  const int kh = p.kh0 + head_chunk / Cfg::kChunks;
+  const int chunk = head_chunk % Cfg::kChunks;
   const int h0 = chunk * HV;  // this CTA's dK / dV / dQ columns
   const int b = p.b0 + blockIdx.z;
   // The dQ accumulator holds only this launch's batches and heads (launcher: dQ in chunks).
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV);
 #ifdef JAX_FA4_BWD_TRACE
-  const bool trace_on = t == 0 && blockIdx.x == kBwdTraceTile && blockIdx.y == kBwdTraceHead && blockIdx.z == 0;
+  const bool trace_on = t == 0 && n_tile == kBwdTraceTile && head_chunk == kBwdTraceHead && blockIdx.z == 0;
 #endif
 
   for (int it = 0; it < n_iters; ++it) {
