@@ -56,11 +56,14 @@ def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
   """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator.
 
   Each chunk's launch drains the GPU before the next starts. With CTAs of equal work that costs
-  nothing (H100, B=2, T=S=8192, N=16, H=128: forward+backward 9095 vs 9048 us in one chunk), but a
-  causal mask's CTAs shrink with their key tile (+14%: 5862 vs 5144 us) and the deterministic dQ
-  order chains them (+7% non-causal): those run in one chunk (docs/HOPPER_BACKWARD.md, "dQ in chunks").
+  nothing (H100, B=2, T=S=8192, N=16, H=128: forward+backward 9095 vs 9048 us in one chunk); a
+  causal mask's CTAs shrink with their key tile (+14% in key-tile-fastest order: 5862 vs 5144 us),
+  which the launcher's key-tile-slowest order for causal masks should take away (a model; not yet
+  measured); the deterministic dQ order chains the CTAs (+7% non-causal): those run in one chunk
+  (docs/HOPPER_BACKWARD.md, "dQ in chunks").
   """
-  if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES or is_causal or deterministic:
+  del is_causal  # chunked: the causal grid order fills each chunk's tail (bwd_sm90_launch.cu)
+  if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES or deterministic:
     return B, K
   if B >= _DQ_CHUNKS:
     return -(-B // _DQ_CHUNKS), K
