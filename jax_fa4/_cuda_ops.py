@@ -56,11 +56,12 @@ def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
   """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator.
 
   Each chunk's launch drains the GPU before the next starts. With CTAs of equal work that costs
-  nothing (H100, B=2, T=S=8192, N=16, H=128: forward+backward 9095 vs 9048 us in one chunk); a
-  causal mask's CTAs shrink with their key tile (+14% in key-tile-fastest order: 5862 vs 5144 us),
-  which the launcher's key-tile-slowest order for causal masks should take away (a model; not yet
-  measured); the deterministic dQ order chains the CTAs (+7% non-causal): those run in one chunk
-  (docs/HOPPER_BACKWARD.md, "dQ in chunks").
+  little (H100, B=2, T=S=8192, N=16, H=128, co.backward alone: 7096 us in four chunks vs 6955 in
+  one). A causal mask's CTAs shrink with their key tile: in key-tile-fastest order four chunks cost
+  +14% of forward+backward (5862 vs 5144 us); the launcher's key-tile-slowest order for causal
+  masks brought that to +1% (3750 vs 3713 us) and made the causal backward 5% faster in one chunk
+  (3716 vs 3926 us). The deterministic dQ order chains the CTAs (+10% for four chunks: 7896 vs
+  7171 us): those run in one chunk (docs/HOPPER_BACKWARD.md, "Grid order under a causal mask").
   """
   del is_causal  # chunked: the causal grid order fills each chunk's tail (bwd_sm90_launch.cu)
   if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES or deterministic:

@@ -6,8 +6,9 @@
 // grid index, or under a causal mask the slowest: key tile j sees only the query tiles from j on,
 // so the heaviest tiles of every head go first and the light ones fill the GPU's tail, which each
 // chunk's launch has (a model of one CTA per SM, in launch order: 4 chunks at B=2, T=8192, N=16
-// cost 1.17x one launch in key-tile-fastest order and 1.006x in key-tile-slowest order). Either way
-// tile j - 1 of a head launches before its tile j, which the deterministic dQ order waits on.
+// cost 1.17x one launch in key-tile-fastest order and 1.006x in key-tile-slowest order; measured on
+// an H100: 1.14x before, 1.01x now, and the causal backward 5% faster even in one launch). Either
+// way tile j - 1 of a head launches before its tile j, which the deterministic dQ order waits on.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include "cuda/bwd_dq_epilogue.cuh"
