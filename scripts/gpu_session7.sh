@@ -4,12 +4,7 @@
 # (ab_old/pkg), bitwise digests and backward timings of main, this tree and ab_old/xchg
 # (bwd-xchg-early: S-block bytes posted before the T-blocks), XLA's memory report of the step, and
 # racecheck on a tiny backward. Logs fold into $OUT/run.log (the device tool brings back 8 files).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name --format=csv,noheader
-TEST_TIMEOUT=120 bash scripts/gpu_backward.sh test 2>&1 | tail -3
+source "$(dirname "$0")/gpu_call_start.sh"
 bash scripts/gpu_ab_backward.sh 1 2>&1 | grep -v "^  mgpu"
 for a in main:ab_old/pkg grid:. xchg:ab_old/xchg; do
   n=${a%%:*}; d=${a#*:}
