@@ -52,7 +52,7 @@ _DQ_CHUNKS = 4
 _DQ_CHUNK_MIN_BYTES = 32 << 20
 
 
-def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
+def _dq_chunking(B, T, N, K, H, deterministic=False):
   """(batches, kv heads) per dQ chunk of a bf16 / f16 dQ: about 1 / _DQ_CHUNKS of the accumulator.
 
   Each chunk's launch drains the GPU before the next starts. With CTAs of equal work that costs
@@ -63,7 +63,6 @@ def _dq_chunking(B, T, N, K, H, is_causal=False, deterministic=False):
   (3716 vs 3926 us). The deterministic dQ order chains the CTAs (+10% for four chunks: 7896 vs
   7171 us): those run in one chunk (docs/HOPPER_BACKWARD.md, "Grid order under a causal mask").
   """
-  del is_causal  # chunked: the causal grid order fills each chunk's tail (bwd_sm90_launch.cu)
   if 4 * B * T * N * H <= _DQ_CHUNK_MIN_BYTES or deterministic:
     return B, K
   if B >= _DQ_CHUNKS:
@@ -395,7 +394,7 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   in the kernel, so no fp32 copy of them is made for a lower-precision caller.
   ``dq_dtype``: float32, bfloat16 or float16; dQ is accumulated in fp32 across the key tiles and
   rounded once. For bfloat16 / float16 the accumulator covers one chunk of (batches, kv heads) at a
-  time (``_dq_chunking``: non-causal, non-deterministic calls only; ``_dq_chunk=(batches, kv_heads)``
+  time (``_dq_chunking``: non-deterministic calls only; ``_dq_chunk=(batches, kv_heads)``
   overrides it, for tests) and a bfloat16 dQ is written over the kernel's bf16 copy of q: one
   chunk's fp32 accumulator is live instead of all of dQ's.
   """
@@ -428,7 +427,7 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   if dq_dtype == jnp.dtype(jnp.float32):
     chunk_b, chunk_kh = B, K  # dQ is its own accumulator
   else:
-    chunk_b, chunk_kh = (_dq_chunking(B, T, N, K, H, bool(is_causal), bool(deterministic)) if _dq_chunk is None
+    chunk_b, chunk_kh = (_dq_chunking(B, T, N, K, H, bool(deterministic)) if _dq_chunk is None
                          else _dq_chunk)
     if not (1 <= chunk_b <= max(B, 1) and 1 <= chunk_kh <= K):
       raise ValueError(f"_dq_chunk={_dq_chunk!r} must be (batches in [1, {B}], kv heads in [1, {K}])")
