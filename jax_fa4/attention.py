@@ -31,8 +31,8 @@ class AttentionConfig:
   implementation: str  # the resolved backend: one of IMPLEMENTATIONS
   out_dtype: str  # dtype name of O (and of the float gradients' primal dtypes)
   grad_dtypes: Tuple[Optional[str], Optional[str], Optional[str]]  # q, k, v; None for MXArray
-  # Bitwise run-to-run identical gradients (the CUDA backward orders its dQ adds; the other
-  # backends are deterministic anyway).
+  # Bitwise run-to-run identical gradients (the CUDA backward orders its dQ adds when asked; the
+  # CPU backward always adds dQ in key-tile order, and the XLA recipe has no cross-tile adds).
   deterministic: bool = False
 
   @property
@@ -263,7 +263,8 @@ def dot_product_attention(
       fully masked rows, whose output is 0).
     deterministic: gradients bitwise identical from run to run. The CUDA backward then adds the
       dQ contributions of its key tiles in a fixed order (slower, see docs/HOPPER_BACKWARD.md)
-      instead of with unordered fp32 atomics; the CPU and XLA backends are deterministic anyway.
+      instead of with unordered fp32 atomics; the CPU backward always adds dQ in key-tile order (any
+      thread count gives the same bits), and the XLA recipe is deterministic anyway.
 
   Returns:
     The output in the query's dtype (bfloat16 for an ``MXArray`` query), shaped like the query;

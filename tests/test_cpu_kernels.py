@@ -358,6 +358,72 @@ def test_concurrent_calls_from_threads():
     np.testing.assert_array_equal(x, want)
 
 
+_DETERMINISM_CHILD = """
+import sys, zlib
+import jax.numpy as jnp, numpy as np
+sys.path.insert(0, {tests!r})
+from contract import make_do, make_qkv
+from jax_fa4 import _cpu_ops, mx
+q, k, v = make_qkv("normal", 2, 300, 520, 4, 2, 64, seed=7)
+do = jnp.asarray(make_do("normal", 2, 300, 4, 64, seed=8))
+q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+for causal in (False, True):
+  o, lse = _cpu_ops.forward(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1), scale=0.1,
+                            is_causal=causal)
+  g = _cpu_ops.backward(mx.quantize(q, 3), mx.quantize(q, 1), mx.quantize(k, 3), mx.quantize(k, 1),
+                        mx.quantize(v, 3), mx.quantize(do, 3), mx.quantize(do, 1), lse,
+                        jnp.sum(o * do, -1), scale=0.1, is_causal=causal)
+  print(_cpu_ops._ext.num_threads(), causal, *(zlib.crc32(np.asarray(x).tobytes()) for x in g))
+"""
+
+
+def test_backward_is_bitwise_the_same_on_any_thread_count():
+  # Several key tiles add to each block of dQ: the kernel adds them in key-tile order (a turn per
+  # block), so dQ, dK and dV are bitwise the same whichever threads ran which tiles, as
+  # dot_product_attention(deterministic=...) promises for this backend. With lock-ordered adds
+  # dQ differed from run to run.
+  import os
+  import subprocess
+  import sys
+  tests = os.path.dirname(os.path.abspath(__file__))
+  runs = {}
+  for threads in (1, 3, 7):
+    env = dict(os.environ, JAX_FA4_CPU_THREADS=str(threads), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _DETERMINISM_CHILD.format(tests=tests)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [l.split() for l in r.stdout.splitlines() if l.strip()]
+    assert [l[0] for l in lines] == [str(threads)] * 2, lines  # the pool ran that many threads
+    runs[threads] = [l[1:] for l in lines]
+  assert runs[1] == runs[3] == runs[7], runs
+
+
+def test_concurrent_backward_calls_from_threads():
+  # Backward items wait for their dQ turns; calls from several threads share the pool, and each
+  # must finish with its own ordered result.
+  q, k, v = make_qkv("normal", 2, 200, 330, 2, 1, 64)
+  do = make_do("normal", 2, 200, 2, 64)
+  ops = _mx_bwd_inputs(q, k, v, do)
+  o, lse = _cpu_ops.forward(ops["q_h"], ops["k_h"], mx.quantize(jnp.asarray(v), 1), scale=0.1,
+                            is_causal=True)
+  args = _bwd_args(ops, lse, jnp.sum(o * jnp.asarray(do), -1))
+  run = lambda: [np.asarray(x) for x in _cpu_ops.backward(*args, scale=0.1, is_causal=True)]
+  want = run()
+  out = [None] * 4
+
+  def work(i):
+    out[i] = run()
+
+  ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+  for t in ts:
+    t.start()
+  for t in ts:
+    t.join()
+  for got in out:
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
+
 # ---------------------------------------------------------------------------------------------
 # Special values and bad input.
 
