@@ -385,12 +385,17 @@ def test_backward_is_bitwise_the_same_on_any_thread_count():
   import os
   import subprocess
   import sys
+  import jax_fa4
   tests = os.path.dirname(os.path.abspath(__file__))
+  # The child imports the jax_fa4 this process imported (an installed wheel or a source tree with
+  # its built extension), not whatever the working directory holds.
+  pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_fa4.__file__)))
+  path = os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))
   runs = {}
   for threads in (1, 3, 7):
-    env = dict(os.environ, JAX_FA4_CPU_THREADS=str(threads), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_FA4_CPU_THREADS=str(threads), JAX_PLATFORMS="cpu", PYTHONPATH=path)
     r = subprocess.run([sys.executable, "-c", _DETERMINISM_CHILD.format(tests=tests)], env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, cwd=tests)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [l.split() for l in r.stdout.splitlines() if l.strip()]
     assert [l[0] for l in lines] == [str(threads)] * 2, lines  # the pool ran that many threads
