@@ -340,21 +340,27 @@ def test_several_batch_dims_flatten():
   np.testing.assert_array_equal(np.asarray(lse2).reshape(lse.shape), np.asarray(lse))
 
 
-def test_concurrent_calls_from_threads():
-  q, k, v = make_qkv("normal", 2, 130, 130, 2, 1, 64)
-  qm, km, vm = mx_inputs(q, k, v)
-  want = np.asarray(_cpu_ops.forward(qm, km, vm, scale=0.1)[0])
-  out = [None] * 4
+def _in_threads(run, n=4):
+  """run() called from n threads at once; their results."""
+  out = [None] * n
 
   def work(i):
-    out[i] = np.asarray(_cpu_ops.forward(qm, km, vm, scale=0.1)[0])
+    out[i] = run()
 
-  ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+  ts = [threading.Thread(target=work, args=(i,)) for i in range(n)]
   for t in ts:
     t.start()
   for t in ts:
     t.join()
-  for x in out:
+  return out
+
+
+def test_concurrent_calls_from_threads():
+  q, k, v = make_qkv("normal", 2, 130, 130, 2, 1, 64)
+  qm, km, vm = mx_inputs(q, k, v)
+  run = lambda: np.asarray(_cpu_ops.forward(qm, km, vm, scale=0.1)[0])
+  want = run()
+  for x in _in_threads(run):
     np.testing.assert_array_equal(x, want)
 
 
@@ -414,17 +420,7 @@ def test_concurrent_backward_calls_from_threads():
   args = _bwd_args(ops, lse, jnp.sum(o * jnp.asarray(do), -1))
   run = lambda: [np.asarray(x) for x in _cpu_ops.backward(*args, scale=0.1, is_causal=True)]
   want = run()
-  out = [None] * 4
-
-  def work(i):
-    out[i] = run()
-
-  ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-  for t in ts:
-    t.start()
-  for t in ts:
-    t.join()
-  for got in out:
+  for got in _in_threads(run):
     for g, w in zip(got, want):
       np.testing.assert_array_equal(g, w)
 
