@@ -5,6 +5,9 @@ accuracy contract for O, lse, dQ, dK, dV over distributions, masks, GQA, head di
 ragged/empty lengths (outputs written everywhere, exact zeros, no NaN); jit, vmap and
 multi-dim batches; bad input returning an error instead of aborting.
 """
+import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -388,9 +391,6 @@ def test_backward_is_bitwise_the_same_on_any_thread_count():
   # block), so dQ, dK and dV are bitwise the same whichever threads ran which tiles, as
   # dot_product_attention(deterministic=...) promises for this backend. With lock-ordered adds
   # dQ differed from run to run.
-  import os
-  import subprocess
-  import sys
   import jax_fa4
   tests = os.path.dirname(os.path.abspath(__file__))
   # The child imports the jax_fa4 this process imported (an installed wheel or a source tree with
