@@ -373,15 +373,14 @@ import jax.numpy as jnp, numpy as np
 sys.path.insert(0, {tests!r})
 from contract import make_do, make_qkv
 from jax_fa4 import _cpu_ops, mx
+from test_cpu_kernels import _bwd_args, _mx_bwd_inputs
 q, k, v = make_qkv("normal", 2, 300, 520, 4, 2, 64, seed=7)
 do = jnp.asarray(make_do("normal", 2, 300, 4, 64, seed=8))
-q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+ops = _mx_bwd_inputs(q, k, v, do)
 for causal in (False, True):
-  o, lse = _cpu_ops.forward(mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1), scale=0.1,
+  o, lse = _cpu_ops.forward(ops["q_h"], ops["k_h"], mx.quantize(jnp.asarray(v), 1), scale=0.1,
                             is_causal=causal)
-  g = _cpu_ops.backward(mx.quantize(q, 3), mx.quantize(q, 1), mx.quantize(k, 3), mx.quantize(k, 1),
-                        mx.quantize(v, 3), mx.quantize(do, 3), mx.quantize(do, 1), lse,
-                        jnp.sum(o * do, -1), scale=0.1, is_causal=causal)
+  g = _cpu_ops.backward(*_bwd_args(ops, lse, jnp.sum(o * do, -1)), scale=0.1, is_causal=causal)
   print(_cpu_ops._ext.num_threads(), causal, *(zlib.crc32(np.asarray(x).tobytes()) for x in g))
 """
 
