@@ -439,6 +439,11 @@ def backward(q: mx.MXArray, k: mx.MXArray, v: mx.MXArray, do: mx.MXArray, lse, d
   # saves two transient bf16 tensors (2 x B*S*K*H*2 bytes) and their memory passes.
   # dO given as the cotangent itself: its bf16 copy straight from the floats in one pass (the
   # values of mx.quantize(do, 3), bit for bit), with no MX dO in between.
+  # Both copies wait for the lse: q's MX residual and dO (a jit argument when the loss is a weighted
+  # sum) are ready at the step's start, so XLA may otherwise make them before the forward kernel
+  # and keep their 2 x 64 MiB live through it, where the step's peak is (docs/HOPPER_BACKWARD.md,
+  # "Peak memory: the schedule").
+  q, do, lse = jax.lax.optimization_barrier((q, do, lse))
   qe = _exact_rows(q)[0]
   doe = (_exact_rows(do) if isinstance(do, mx.MXArray) else _exact_rows_float(do))[0]
   t_pad = -(-T // _BWD_BLOCK_M) * _BWD_BLOCK_M

@@ -80,3 +80,57 @@ def test_dq_chunking_rule():
   assert ch(1, 65536, 16, 1, 128) == (1, 1)  # MQA, one batch: nothing to split (a known gap)
   # Deterministic: one chunk (each chunk's launch drains the GPU, which the ordered adds expose).
   assert ch(8, 8192, 16, 16, 128, deterministic=True) == (8, 16)
+
+
+def _main_deps(text):
+  """{SSA value: the values its op reads} over the lowered module's main function."""
+  deps, ops, body = {}, {}, False
+  for line in text.splitlines():
+    if "func.func public @main" in line:
+      body = True
+      continue
+    if body and line.startswith("  }"):
+      break
+    m = re.match(r"\s*(%[\w]+)(?::\d+)? = (.*)", line) if body else None
+    if m:
+      deps[m.group(1)] = [v.split("#")[0] for v in re.findall(r"%[\w#]+", m.group(2))]
+      ops[m.group(1)] = m.group(2)
+  return deps, ops
+
+
+def _reaches(deps, start, goal):
+  seen, todo = set(), [start]
+  while todo:
+    v = todo.pop()
+    if v == goal:
+      return True
+    if v not in seen:
+      seen.add(v)
+      todo.extend(deps.get(v, ()))
+  return False
+
+
+def test_backward_copies_wait_for_the_forward(monkeypatch):
+  # The training step's peak is at the forward kernel (H100 memory report, docs/HOPPER_BACKWARD.md
+  # "Peak memory: the schedule"). The backward's bf16 copies of q and dO (bwd operands 0 and 5)
+  # must depend on the forward's result, or XLA may make them first and keep them live through it;
+  # here dO's source is a jit argument, ready at the start.
+  import jax_fa4
+  from jax_fa4 import backends
+  monkeypatch.setattr(_cuda_ops, "_ensure", lambda: None)  # lowering only: nothing runs
+  monkeypatch.setattr(backends, "resolve", lambda implementation, **kw: "cuda")
+
+  def step(q, k, v, w):
+    loss = lambda q, k, v: jnp.sum(jax_fa4.dot_product_attention(q, k, v).astype(jnp.float32) * w)
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+  x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+  text = jax.jit(step).trace(x, x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  deps, ops = _main_deps(text)
+  (fwd,) = [v for v, op in ops.items() if "@jax_fa4_cuda_fwd(" in op]
+  (bwd,) = [v for v, op in ops.items() if "@jax_fa4_cuda_bwd(" in op]
+  operands = [o.split("#")[0] for o in re.search(r"@jax_fa4_cuda_bwd\(([^)]*)\)", ops[bwd]).group(1).split(", ")]
+  for name, i in (("q", 0), ("dO", 5)):
+    copy = operands[i]
+    assert "@jax_fa4_cuda_exact_rows" in ops[copy], (name, ops[copy][:80])
+    assert _reaches(deps, copy, fwd), f"the backward's {name} copy does not wait for the forward"
