@@ -91,20 +91,33 @@ def test_a_few_steps_reduce_the_loss(baseline):
 
 
 def test_sharded_over_8_devices_gives_the_same_losses(baseline, tmp_path):
-  # data=4 x model=2: the batch is split in 4 and every projection/MLP matmul in 2, so the fp32
-  # sums (matmul contractions over the split axis, the mean loss, the gradient all-reduce) are
-  # done in another order. Step 0 is a pure forward pass and agrees to a few fp32 ulps; later
-  # steps carry that noise through 5 AdamW updates (observed <= 1.2e-6 relative). rtol = 1e-5
+  # data=4 x model=2: the batch is split in 4 and every projection/MLP matmul in 2, and the two
+  # query heads of the one kv head land on two devices, so the fp32 sums (matmul contractions over
+  # the split axis, the mean loss, the gradient all-reduce, dK/dV over the heads of a kv head)
+  # are done in another order. Step 0 is a pure forward pass and agrees to a few fp32 ulps; later
+  # steps carry that noise through 5 AdamW updates (observed <= 1.4e-6 relative). rtol = 1e-5
   # (~80 fp32 ulps of the loss) is that noise with margin, and 4 orders of magnitude below
   # what one training step changes (~5e-2).
-  sharded = _subprocess(tmp_path, "sharded", ["--mesh", "4,2"], 8)
+  ckpt = str(tmp_path / "ckpt")
+  sharded = _subprocess(tmp_path, "sharded", ["--mesh", "4,2", "--ckpt-dir", ckpt], 8)
   assert sharded["config"]["mesh"] == {"data": 4, "model": 2}
   assert len(sharded["config"]["devices"]) == 8
   for key in ("jax_fa4", "jax_fa4_backends", "n_params"):  # the same code on both sides
     assert sharded["config"][key] == baseline["config"][key]
   np.testing.assert_allclose(_losses(sharded), _losses(baseline), rtol=1e-5, atol=0)
-  np.testing.assert_allclose(sharded["final_heldout_loss"], baseline["final_heldout_loss"],
-                             rtol=1e-5)
+  # The held-out loss after the 6th update is not compared across the two runs: the noise above
+  # grows with each update (AdamW divides each gradient by its own running scale, and an MX
+  # rounding moves to the next e4m3 value when its fp32 input moves by an ulp across a rounding
+  # boundary). On jax 0.12.1 the held-out losses after updates 1-6 of a 1,2 mesh differ from the
+  # unsharded run's by 0, 9e-8, 7e-7, 2e-6, 2e-6, 3e-5 relative (this 4,2 mesh: 3.0e-5 after the
+  # 6th), while with jax.nn attention (no MX) the 4,2 run's final one differs by 1e-7.
+  # What sharding must not change is the function: the unsharded program's held-out loss of the
+  # sharded run's final parameters (restored from its checkpoint on one device) is the sharded
+  # run's own, to a few fp32 ulps of a pure forward pass.
+  restored = _subprocess(tmp_path, "restored", ["--mesh", "1,1", "--ckpt-dir", ckpt], 1)
+  assert restored["start_step"] == 6 and restored["steps"] == []
+  np.testing.assert_allclose(restored["final_heldout_loss"], sharded["final_heldout_loss"],
+                             rtol=1e-6)
 
 
 def test_checkpoint_resume_gives_the_same_next_losses(lm, baseline, tmp_path):
