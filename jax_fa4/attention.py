@@ -169,9 +169,11 @@ def _attention_fwd(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen):
   # q and k blocked along H serve both the forward and the backward: quantize them once.
   q_h, k_h = _as_mx(q, 3), _as_mx(k, 3)
   o, lse = _forward_impl(cfg, q, k, v, bias, mask, q_seqlen, kv_seqlen, q_h=q_h, k_h=k_h)
-  # Residuals are MX data (every orientation the backward products need), O and lse: no
+  # Residuals are MX data (every orientation the backend's backward reads), O and lse: no
   # high-precision copy of q, k or v is kept for the backward pass.
-  res = dict(q_h=q_h, q_t=_as_mx(q, 1), k_h=k_h, k_s=_as_mx(k, 1),
+  transposed = backends.get(cfg.implementation).transposed_residuals
+  res = dict(q_h=q_h, q_t=_as_mx(q, 1) if transposed else None, k_h=k_h,
+             k_s=_as_mx(k, 1) if transposed else None,
              v_h=_as_mx(v, 3), o=o, lse=lse, bias=bias, mask=mask, q_seqlen=q_seqlen,
              kv_seqlen=kv_seqlen, q_mx=_mx_template(q), k_mx=_mx_template(k),
              v_mx=_mx_template(v))

@@ -46,6 +46,11 @@ class Backend:
   # and uses it as mx.quantize(do, 3), instead of the two MX orientations: the CUDA backward makes
   # its bf16 copy of dO from the floats in one pass, with no MX dO in between.
   raw_cotangent: bool = False
+  # Whether backward() reads q_t and k_s, q and k blocked along T and S (the recipe and the CPU
+  # kernels: NUMERICS.md section 3's orientations). The CUDA backward's bf16 wgmma reads either
+  # major-ness, so q_h and k_h serve all its products; it is passed None for both, and the
+  # custom_vjp neither quantizes nor keeps them.
+  transposed_residuals: bool = True
 
 
 # ---- xla: the recipe -------------------------------------------------------------------------
@@ -148,7 +153,8 @@ def _cuda_forward(q_h, k_h, v_s, bias, mask, q_len, kv_len, cfg):
 
 def _cuda_backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len, cfg):
   # bf16 wgmma reads either major-ness, so the H-blocked q_h, k_h, v_h serve every product: the
-  # second orientations (q_t, k_s, do_t) are unused here. do_h: the cotangent itself from
+  # second orientations (q_t, k_s, do_t) are unused here (None from dot_product_attention:
+  # Backend.transposed_residuals; MX from ring attention). do_h: the cotangent itself from
   # dot_product_attention (raw_cotangent), an MXArray blocked along H from ring attention.
   # dK and dV leave the kernel in the gradients' dtype when k and v share one (rounded once from
   # fp32 in the kernel: no fp32 copies of them for bf16 training); dQ likewise, accumulated in fp32
@@ -180,12 +186,12 @@ _BACKENDS = {
     # tests/test_cuda_forward.py, docs/HOPPER_FORWARD.md).
     "cuda": Backend("cuda", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda"),
                     _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float,
-                    raw_cotangent=True),
+                    raw_cotangent=True, transposed_residuals=False),
     # Not a default: on an H200 FP8 wgmma's sums miss the contract for the lse and for outlier
     # inputs (docs/HOPPER_FORWARD.md); implementation='cuda_fp8' opts in.
     "cuda_fp8": Backend("cuda_fp8", "gpu", _cuda_available, functools.partial(_cuda_check, "cuda_fp8"),
                         _cuda_forward, _cuda_backward, forward_float=_cuda_forward_float,
-                        default=False, raw_cotangent=True),
+                        default=False, raw_cotangent=True, transposed_residuals=False),
 }
 
 

@@ -54,6 +54,7 @@ class _Static:
   bias_shape: Optional[Tuple[int, ...]]
   mask_shape: Optional[Tuple[int, ...]]
   raw_do: bool = False  # "bwd": dO goes in as one float BTNH array (do_t None), not two MXArrays
+  transposed: bool = True  # "bwd": q_t and k_s are MXArrays (False: both None)
 
 
 def _axes_tuple(entry) -> Tuple[str, ...]:
@@ -106,7 +107,8 @@ def _specs(st: _Static, b, h):
     return (btnh, btnh, btnh, lens, lens), (btnh, btn)
   dbias = None if st.bias_shape is None or st.backend != "xla" else P(b, h, None, None)
   do = (btnh, None) if st.raw_do else (mxs(), mxs())
-  return ((mxs(),) * 5 + do + (btn, btn, bias, mask, lens, lens),
+  t = mxs() if st.transposed else None
+  return ((mxs(), t, mxs(), t, mxs()) + do + (btn, btn, bias, mask, lens, lens),
           (btnh, btnh, btnh, dbias))
 
 
@@ -156,9 +158,10 @@ def _rule(st: _Static):
     res = [btnh, btn]
   else:
     # q_h, q_t, k_h, k_s, v_h, do_h, do_t (data, scale each; a raw dO is one array and no
-    # do_t), lse, delta, bias, mask, lengths.
+    # do_t; without transposed residuals no q_t and k_s), lse, delta, bias, mask, lengths.
     do = [btnh] if st.raw_do else [btnh, btnq, btnh, bttn]
-    ops = [btnh, btnq, btnh, bttn, bskh, bskq, bskh, bssk, bskh, bskq, *do,
+    q_t, k_s = ([btnh, bttn], [bskh, bssk]) if st.transposed else ([], [])
+    ops = [btnh, btnq, *q_t, bskh, bskq, *k_s, bskh, bskq, *do,
            btn, btn, *extra, "b", "b"]
     res = [btnh, bskh, bskh]
     if st.bias_shape is not None and st.backend == "xla":
@@ -286,7 +289,8 @@ def backward(impl, q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, 
              cfg):
   """``backends.get(impl).backward(...)``, shard-local under batch/head sharding."""
   st = _static("bwd", _backend_name(impl), cfg, q_h, k_h, bias, mask)
-  st = dataclasses.replace(st, raw_do=not isinstance(do_h, mx.MXArray))
+  st = dataclasses.replace(st, raw_do=not isinstance(do_h, mx.MXArray),
+                           transposed=q_t is not None)
   return call(st, q_h, q_t, k_h, k_s, v_h, do_h, do_t, lse, delta, bias, mask, q_len, kv_len)
 
 

@@ -134,3 +134,24 @@ def test_backward_copies_wait_for_the_forward(monkeypatch):
     copy = operands[i]
     assert "@jax_fa4_cuda_exact_rows" in ops[copy], (name, ops[copy][:80])
     assert _reaches(deps, copy, fwd), f"the backward's {name} copy does not wait for the forward"
+
+
+@pytest.mark.parametrize("impl,kept", [("cuda", False), ("cuda_fp8", False), ("xla", True)])
+def test_vjp_residuals_hold_the_orientations_the_backward_reads(monkeypatch, impl, kept):
+  # The CUDA backward reads q and k blocked along H only (bf16 wgmma takes either major-ness), so
+  # its custom_vjp keeps no q_t / k_s: an eager jax.vjp, or a program that ends after the forward,
+  # holds one MX copy of q and of k instead of two. The recipe reads both orientations.
+  from jax_fa4 import attention
+  monkeypatch.setattr(_cuda_ops, "_ensure", lambda: None)  # tracing only: nothing runs
+  cfg = attention.AttentionConfig(scale=0.1, is_causal=True, window=None, implementation=impl,
+                                  out_dtype="bfloat16", grad_dtypes=("bfloat16",) * 3)
+  x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  _, res = jax.eval_shape(
+      lambda q, k, v, ql, kl: attention._attention_fwd(cfg, q, k, v, None, None, ql, kl),
+      x, x, x, lens, lens)
+  for name, axis in (("q_h", 3), ("k_h", 3), ("v_h", 3)):
+    assert isinstance(res[name], mx.MXArray) and res[name].axis == axis, name
+  for name, axis in (("q_t", 1), ("k_s", 1)):
+    assert (res[name] is not None) == kept, name
+    assert res[name] is None or res[name].axis == axis, name

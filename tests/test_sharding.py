@@ -163,46 +163,79 @@ def test_jit_sharded_without_shardy_uses_the_gspmd_callbacks():
   _check(case, outs)
 
 
-@pytest.mark.parametrize("shardy", [True, False])
-def test_raw_cotangent_backward_is_shard_local_and_unchanged(shardy, monkeypatch):
-  # The CUDA backward takes dO as the cotangent itself (Backend.raw_cotangent: one float BTNH
-  # operand, no do_t) and quantizes it as mx.quantize(do, 3). The same plumbing on this
-  # machine's backend, with the quantization done in front of it: the sharded call stays
-  # shard-local under both partitioners and the gradients are bitwise those of the MX path.
-  from jax_fa4 import mx, partitioning
+def _sharded_step(shardy, mesh_shape=(4, 2), **fields):
+  """JIT_CASE's forward and backward in one program over a ("b", "h") mesh, under one partitioner,
+  with IMPL's Backend fields replaced by ``fields`` while it compiles: (outputs, collectives)."""
+  from jax_fa4 import partitioning
   case = _case(*JIT_CASE)
-  mesh = _mesh((4, 2), ("b", "h"))
+  mesh = _mesh(mesh_shape, ("b", "h"))
   sh = NamedSharding(mesh, P("b", None, "h", None))
   args = tuple(jax.device_put(x, sh) for x in case["args"])
   lens = {n: jax.device_put(x, NamedSharding(mesh, P("b"))) for n, x in case["lens"].items()}
   do = jax.device_put(jnp.asarray(case["do"]), sh)
   f = lambda a, b, c: jax_fa4.dot_product_attention(a, b, c, is_causal=True, implementation=IMPL,
                                                     return_residual=True, **lens)
-  run = lambda: jax.jit(lambda a, b, c, g: _value_and_grads(f, (a, b, c), g)).lower(
-      *args, do).compile()
   old = jax.config.jax_use_shardy_partitioner
   jax.config.update("jax_use_shardy_partitioner", shardy)
+  partitioning._op.cache_clear()  # ops are cached by backend name: none built over another Backend
   try:
-    want = run()(*args, do)
-    base = backends.get(IMPL)
-    seen = []
-
-    def backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, *rest):
-      seen.append((type(do_h), do_h.shape, do_t))
-      assert not isinstance(do_h, mx.MXArray) and do_t is None
-      return base.backward(q_h, q_t, k_h, k_s, v_h, mx.quantize(do_h, 3), mx.quantize(do_h, 1),
-                           *rest)
-    monkeypatch.setitem(backends._BACKENDS, IMPL, dataclasses.replace(
-        base, backward=backward, raw_cotangent=True))
-    compiled = run()
-    assert _count(compiled.as_text()) == dict.fromkeys(COLLECTIVES, 0)
-    got = compiled(*args, do)
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setitem(backends._BACKENDS, IMPL, dataclasses.replace(backends.get(IMPL), **fields))
+      compiled = jax.jit(lambda a, b, c, g: _value_and_grads(f, (a, b, c), g)).lower(
+          *args, do).compile()
+      return compiled(*args, do), _count(compiled.as_text())
   finally:
     jax.config.update("jax_use_shardy_partitioner", old)
-    partitioning._op.cache_clear()  # drop the ops built over the patched backend
+    partitioning._op.cache_clear()
+
+
+@pytest.mark.parametrize("shardy", [True, False])
+def test_raw_cotangent_backward_is_shard_local_and_unchanged(shardy):
+  # The CUDA backward takes dO as the cotangent itself (Backend.raw_cotangent: one float BTNH
+  # operand, no do_t) and quantizes it as mx.quantize(do, 3). The same plumbing on this
+  # machine's backend, with the quantization done in front of it: the sharded call stays
+  # shard-local under both partitioners and the gradients are bitwise those of the MX path.
+  from jax_fa4 import mx
+  base = backends.get(IMPL)
+  seen = []
+
+  def backward(q_h, q_t, k_h, k_s, v_h, do_h, do_t, *rest):
+    seen.append((type(do_h), do_h.shape, do_t))
+    assert not isinstance(do_h, mx.MXArray) and do_t is None
+    return base.backward(q_h, q_t, k_h, k_s, v_h, mx.quantize(do_h, 3), mx.quantize(do_h, 1),
+                         *rest)
+
+  want, _ = _sharded_step(shardy)
+  got, collectives = _sharded_step(shardy, backward=backward, raw_cotangent=True)
+  assert collectives == dict.fromkeys(COLLECTIVES, 0), collectives
   # Traced whole (the abstract evaluation) and on each device's shard: batch 8 / 4, kv heads
   # 2 / 2 with their 4 query heads.
   assert {s[1] for s in seen} == {(8, 96, 8, 64), (2, 96, 4, 64)}, seen
+  for name, a, b in zip(NAMES, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("shardy", [True, False])
+def test_backward_without_transposed_residuals_is_shard_local(shardy):
+  # The CUDA backends keep no q_t / k_s residuals (Backend.transposed_residuals=False): their
+  # backward gets None for both, and the partitioner's specs and Shardy rule leave them out. The
+  # same plumbing on this machine's backend, with q_t and k_s re-blocked from q_h and k_h in front
+  # of it (not the MX path's bits, so the sharded call is compared with the same backend on one
+  # device): shard-local under both partitioners, and the same bits as unsharded.
+  from jax_fa4 import mx
+  base = backends.get(IMPL)
+  seen = []
+
+  def backward(q_h, q_t, k_h, k_s, *rest):
+    seen.append(q_h.shape)
+    assert q_t is None and k_s is None
+    return base.backward(q_h, mx.requantize(q_h, 1), k_h, mx.requantize(k_h, 1), *rest)
+
+  patch = dict(backward=backward, raw_cotangent=False, transposed_residuals=False)
+  want, _ = _sharded_step(shardy, (1, 1), **patch)
+  got, collectives = _sharded_step(shardy, **patch)
+  assert collectives == dict.fromkeys(COLLECTIVES, 0), collectives
+  assert set(seen) == {(8, 96, 8, 64), (2, 96, 4, 64)}, seen
   for name, a, b in zip(NAMES, got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
