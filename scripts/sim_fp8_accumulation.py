@@ -14,8 +14,13 @@ truncated toward zero to `bits` bits below it, then summed; the accumulator is f
    forward's two-level accumulation: one tile); and dS quantized with one scale per row per tile
    (`--tile` elements along the contraction) instead of MX's 32, as a kernel holding dS in
    registers would do.
+4. (--lse-variants) Can FP8 Q K^T meet the lse contract with more fp32 work? The lse error of the
+   FP8-score forward against its bound (1.05 x the recipe's + 1e-3 x bf16's, NUMERICS.md section 4)
+   with the model's accumulator as the wgmma chains it, with a fresh accumulator per k32 (or k64)
+   step summed in fp32, and with that plus the head-dim channels sorted by |q| |k| so that each
+   k32 step holds channels of one size.
 
-  python3 scripts/sim_fp8_accumulation.py [--bits 13] [--T 256] [--S 2048]
+  python3 scripts/sim_fp8_accumulation.py [--bits 13] [--T 256] [--S 2048] [--lse-variants]
 """
 from __future__ import annotations
 
@@ -144,6 +149,31 @@ def backward_case(kind, do_kind, T, S, H, scale):
   return q, k, v, do, keep, o_bf16, lse, g_t, g_r
 
 
+def lse_variants(T, S, H, scale, bits):
+  """Section 4: each variant's lse error over its contract bound, two seeds per distribution."""
+  bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)
+  keep = causal_keep(T, S)
+  print(f"FP8 Q K^T ({bits} bits): lse error / contract bound (<= 1 meets it), T={T} S={S} H={H}, causal")
+  for kind in ("normal", "channel_outliers", "token_outliers", "tiny"):
+    for seed in (0, 1):
+      q, k, v = (x[0, :, 0] for x in make_qkv(kind, 1, T, S, 1, 1, H, seed=seed))
+      qd, kd, vd = deq(q, -1), deq(k, -1), deq(v, 0)
+      _, l_t, *_ = truth(qd, kd, vd, np.zeros_like(qd), scale, keep)
+      _, l_r = forward(qd, kd, vd, scale, keep, exact_dot)
+      _, l_b, *_ = truth(bf16(q), bf16(k), bf16(v), np.zeros_like(qd), scale, keep)
+      bound = 1.05 * rel(l_r, l_t) + 1e-3 * rel(l_b, l_t)
+      order = np.argsort(-(np.abs(qd).max(0) * np.abs(kd).max(0)))
+      line = f"  {kind:>16} seed {seed}: bound {bound:.1e}"
+      for name, a, b, dot in (
+          ("chained", qd, kd, lambda x, y: fp8_acc_dot(x, y, bits)),
+          ("fp32 per k32", qd, kd, lambda x, y: fp8_acc_mm(x, y.T, bits, 32)),
+          ("fp32 per k64", qd, kd, lambda x, y: fp8_acc_mm(x, y.T, bits, 64)),
+          ("sorted, fp32 per k32", qd[:, order], kd[:, order], lambda x, y: fp8_acc_mm(x, y.T, bits, 32))):
+        _, l_m = forward(a, b, vd, scale, keep, dot)
+        line += f" | {name} x{rel(l_m, l_t) / bound:.2f}"
+      print(line, flush=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--bits", type=int, nargs="+", default=[12, 13, 14])
@@ -151,11 +181,14 @@ def main(argv=None):
   ap.add_argument("--S", type=int, default=None, help="keys (default: T); causal is bottom-right aligned")
   ap.add_argument("--promote", type=int, default=128, help="fp32 promotion interval of the long sums")
   ap.add_argument("--tile", type=int, default=64, help="dS elements per scale in the 'tile dS' variant")
+  ap.add_argument("--lse-variants", action="store_true", help="section 4 only")
   args = ap.parse_args(argv)
   jax.config.update("jax_platforms", "cpu")
   H, T = 128, args.T
   S = args.S or T
   scale = H ** -0.5
+  if args.lse_variants:
+    return lse_variants(T, S, H, scale, args.bits[len(args.bits) // 2])
   print(f"forward calibration, T={T} S={S}, H={H}, causal (H200 measured at T=S=1024: channel outliers "
         f"lse 2.6e-4, O x2.84; token outliers lse 1.1e-4, O x1.19)")
   for kind in ("channel_outliers", "token_outliers", "normal"):
