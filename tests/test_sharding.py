@@ -231,7 +231,7 @@ def test_backward_without_transposed_residuals_is_shard_local(shardy):
     assert q_t is None and k_s is None
     return base.backward(q_h, mx.requantize(q_h, 1), k_h, mx.requantize(k_h, 1), *rest)
 
-  patch = dict(backward=backward, raw_cotangent=False, transposed_residuals=False)
+  patch = dict(backward=backward, transposed_residuals=False)
   want, _ = _sharded_step(shardy, (1, 1), **patch)
   got, collectives = _sharded_step(shardy, **patch)
   assert collectives == dict.fromkeys(COLLECTIVES, 0), collectives
