@@ -8,9 +8,10 @@ TMA-loading bf16 copies; its outputs must be bitwise those of main. Run this scr
   python scripts/bwd_ab_digest.py --compare /tmp/main.json /tmp/branch.json
 deterministic=True, so dQ's cross-tile adds are ordered and every output is reproducible. Only
 APIs present on both sides are used (_cuda_ops.forward_mx / backward, mx.quantize).
-With --time, the JSON also gets the backward kernel's time (co.backward alone, default
-non-deterministic dQ) at B=2, T=S=8192, N=16, H=128, causal and not, so that two builds run in
-alternating processes give an A/B of their speed.
+With --time [H ...], the JSON also gets the backward kernel's time (co.backward alone, default
+non-deterministic dQ) at B=2, T=S=8192, N=16, H=128 (or the head dims named), causal and not, so
+that two builds (or two settings of a kernel switch) run in alternating processes give an A/B of
+their speed.
 """
 import hashlib
 import json
@@ -70,7 +71,7 @@ def main(out_path):
   json.dump(out, open(out_path, "w"), indent=1, sort_keys=True)
 
 
-def timings(out_path):
+def timings(out_path, H=128):
   import pathlib
   import jax
   import jax.numpy as jnp
@@ -78,7 +79,7 @@ def timings(out_path):
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
   from bench_backward_gpu import time_fn
 
-  B, T, N, H = 2, 8192, 16, 128
+  B, T, N = 2, 8192, 16
   ks = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16) for kk in ks)
   L = jnp.full((B,), T, jnp.int32)
@@ -91,7 +92,7 @@ def timings(out_path):
                                                       dkv_dtype=jnp.bfloat16))
     us = time_fn(f, (qm, km, vm, dom, lse, delta)) * 1e6
     fl = 2.5 * 4 * B * T * T * N * H * (0.5 if causal else 1)
-    res[f"bwd_us_causal{int(causal)}"] = us
+    res[f"bwd_us_h{H}_causal{int(causal)}" if H != 128 else f"bwd_us_causal{int(causal)}"] = us
     print(f"backward (co.backward, MX operands) B{B} T=S={T} N{N} H{H} causal={causal}: {us:.1f} us, "
           f"{fl / us / 1e6:.0f} TFLOP/s", flush=True)
   d = json.load(open(out_path))
@@ -104,4 +105,7 @@ if __name__ == "__main__":
     sys.exit(_compare(sys.argv[2], sys.argv[3]))
   main(sys.argv[1])
   if "--time" in sys.argv[2:]:
-    timings(sys.argv[1])
+    # --time [H ...]: head dims to time (default 128)
+    heads = [int(a) for a in sys.argv[sys.argv.index("--time") + 1:] if a.isdigit()] or [128]
+    for h in heads:
+      timings(sys.argv[1], h)

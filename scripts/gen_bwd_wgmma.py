@@ -55,12 +55,15 @@ def main():
   out = [HDR]
   for n in (64,):
     out.append(ss(n, 0, 0))  # S^T = K Q^T, dP^T = V dO^T: both operands K-major along H
-  for n in (64,):
+  for n in (32, 64):
     out.append(ss(n, 1, 1))  # dQ = dS K: dS^T stored key-major (M-major A), K row-major (N-major B)
   for n in (64, 128):
     out.append(rs(n))  # dV += P^T dO, dK += dS^T Q: P^T / dS^T from registers, dO / Q N-major
   out.append('''
 template <int N> struct BwdMma;
+template <> struct BwdMma<32> {  // the dQ warpgroup's 32-column dQ passes
+  static __device__ __forceinline__ void ss_mn(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n32k16_t11(d, a, b, s); }
+};
 template <> struct BwdMma<64> {
   static __device__ __forceinline__ void ss_kk(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n64k16_t00(d, a, b, s); }
   static __device__ __forceinline__ void ss_mn(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n64k16_t11(d, a, b, s); }

@@ -243,11 +243,8 @@ def test_backward_jit_and_vmap():
       np.testing.assert_array_equal(np.asarray(x[i]), np.asarray(y))
 
 
-@pytest.mark.parametrize("H", [64, 128, 256])
-def test_deterministic_all_head_dims_and_dkv_dtypes(H):
-  """deterministic=True is bitwise reproducible at every head dim (H = 256 runs two column-chunk
-  CTAs per key tile, each chunk with its own order counters), and dK / dV requested in bf16 / fp16
-  are the fp32 results rounded once (they are summed in registers, in a fixed order)."""
+def _deterministic_case(H):
+  """The backward's operands of a 5 x 5-tile GQA case (causal, a window, ragged lengths)."""
   B, T, S, N, K = 2, 300, 520, 4, 2  # 5 query tiles x 5 key tiles, GQA
   q, k, v = make_qkv("normal", B, T, S, N, K, H, seed=_SEED + 11)
   do = make_do("varying", B, T, N, H, seed=_SEED + 12)
@@ -256,7 +253,15 @@ def test_deterministic_all_head_dims_and_dkv_dtypes(H):
   qm, km, vm = mx.quantize(q, 3), mx.quantize(k, 3), mx.quantize(v, 1)
   kw = dict(scale=H ** -0.5, is_causal=True, window=(200, None))
   o, lse = _ops().forward_mx(qm, km, vm, ql, kl, out_dtype=jnp.float32, **kw)
-  args = (qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, jnp.sum(o * do, -1), ql, kl)
+  return (qm, km, mx.quantize(v, 3), mx.quantize(do, 3), lse, jnp.sum(o * do, -1), ql, kl), kw
+
+
+@pytest.mark.parametrize("H", [64, 128, 256])
+def test_deterministic_all_head_dims_and_dkv_dtypes(H):
+  """deterministic=True is bitwise reproducible at every head dim (H = 256 runs two column-chunk
+  CTAs per key tile, each chunk with its own order counters), and dK / dV requested in bf16 / fp16
+  are the fp32 results rounded once (they are summed in registers, in a fixed order)."""
+  args, kw = _deterministic_case(H)
   a = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
   b = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
   for name, x, y in zip(("dq", "dk", "dv"), a, b):
@@ -342,6 +347,56 @@ def test_dq_chunks_are_the_fp32_dq_rounded_once(H):
   want_dq = np.asarray(jnp.asarray(want[0]).astype(jnp.bfloat16).astype(jnp.float32))
   for i in range(2):
     np.testing.assert_array_equal(np.asarray(batched[0][i].astype(jnp.float32)), want_dq, err_msg="vmapped dq")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dQ-warpgroup kernel (JAX_FA4_SM90_BWD_DQWG=1, read per launch; H <= 128, opt-in:
+# csrc/cuda/tile_config.cuh): warpgroup 0 computes dQ, the consumers no longer meet at a barrier per
+# query tile. Its consumers run the default kernel's arithmetic for dK and dV, so those must be the
+# default kernel's bits; its dQ is the same products in 32- or 64-column passes (at H = 64 one
+# 128-key product per query tile where the default kernel adds two 64-key partials), so dQ may
+# differ in summation order only, and meets the contract on its own.
+
+_DQWG_CASES = [c for c in CASES if c[5] in (64, 128)]
+
+
+@pytest.mark.parametrize("case", _DQWG_CASES, ids=_ids)
+def test_dq_warpgroup_kernel_contract_and_dk_dv_bits(case, monkeypatch):
+  want = _case_result(case)["grads"]  # the default kernel (cached before the switch is set)
+  monkeypatch.setenv("JAX_FA4_SM90_BWD_DQWG", "1")
+  r = _run_case(case, _SEED + CASES.index(case))  # the same inputs, poisoned outputs
+  dq, dk, dv = r["grads"]
+  np.testing.assert_array_equal(dk, want[1], err_msg="dk")
+  np.testing.assert_array_equal(dv, want[2], err_msg="dv")
+  assert np.all(np.isfinite(dq)), "non-finite dq"
+  for b in range(case[0]):
+    assert np.all(dq[b, int(r["ql"][b]):] == 0), f"batch {b}: dq rows >= q_len not zero"
+  e, er, eb = assert_contract("dq", dq, r["rgrads"][0], r["bf16"][0], r["truth"][0], seed=_SEED + CASES.index(case))
+  print(f"{_ids(case)} dq (dQ warpgroup): kernel {e:.3e} recipe {er:.3e} (x{e / max(er, 1e-30):.2f})")
+  np.testing.assert_allclose(dq, want[0], rtol=1e-4, atol=1e-6 * np.abs(want[0]).max(), err_msg="dq vs default")
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_dq_warpgroup_kernel_deterministic(H, monkeypatch):
+  """deterministic=True stays bitwise reproducible with the dQ warpgroup (its writer takes the
+  default kernel's per-tile order counters), under jit and vmap too; dK / dV are the default's bits."""
+  args, kw = _deterministic_case(H)
+  want = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  monkeypatch.setenv("JAX_FA4_SM90_BWD_DQWG", "1")
+  a = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  jax.block_until_ready(jnp.full(a[0].shape, jnp.nan))  # poison
+  b = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
+  for name, x, y in zip(("dq", "dk", "dv"), a, b):
+    np.testing.assert_array_equal(x, y, err_msg=name)
+  for name, x, y in zip(("dk", "dv"), a[1:], want[1:]):
+    np.testing.assert_array_equal(x, y, err_msg=f"{name} vs default")
+  print(f"H={H}: deterministic dQ bitwise the default kernel's: {np.array_equal(a[0], want[0])}")
+  np.testing.assert_allclose(a[0], want[0], rtol=1e-4, atol=1e-6 * np.abs(want[0]).max(), err_msg="dq vs default")
+  bwd = lambda *xs: _ops().backward(*xs, deterministic=True, **kw)
+  batched = jax.jit(jax.vmap(bwd))(*jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), args))
+  for name, x, y in zip(("dq", "dk", "dv"), batched, a):
+    for i in range(2):
+      np.testing.assert_array_equal(np.asarray(x[i]), y, err_msg=f"vmapped {name}")
 
 
 def test_backward_bad_input_raises():

@@ -255,11 +255,161 @@ __device__ __forceinline__ void dequant_kv_tile(uint8_t* sK, uint8_t* sV, const 
   }
 }
 
+// The CTA's query tile `it` (head kh * group + it / n_m, query tile m_lo + it % n_m): its Q and dO
+// rows (bf16, TMA, 128B swizzle) and its lse / delta rows into stage it % ST. One elected thread.
+// (The default kernel's producer keeps its own copy of these lines: calling this helper there moved
+// its SASS at H = 128, and the default kernels are kept bit for bit until a GPU has run a change.)
 template <int H>
+__device__ __forceinline__ void load_query_tile(const BwdParams& p, const CUtensorMap* tm_q, const CUtensorMap* tm_do,
+                                                uint8_t* sQ, uint8_t* sdO, float* sLse, float* sDelta,
+                                                uint64_t* bar_full, int it, int kh, int b, int m_lo, int n_m) {
+  using Cfg = BwdTileConfig<H>;
+  constexpr int BM = Cfg::kBlockM, ST = Cfg::kStages, SW = Cfg::kSw;
+  const int s = it % ST;
+  const int n_head = kh * p.group + it / n_m;
+  const int m0 = (m_lo + it % n_m) * BM;
+  mbar_arrive_expect_tx(&bar_full[s], 2 * Cfg::kQBytes + 2 * BM * 4);
+#pragma unroll
+  for (int c = 0; c < Cfg::kAtoms; ++c) {
+    tma_load_4d(sQ + s * Cfg::kQBytes + c * BM * SW, tm_q, &bar_full[s], c * SW, m0, n_head, b);
+    tma_load_4d(sdO + s * Cfg::kQBytes + c * BM * SW, tm_do, &bar_full[s], c * SW, m0, n_head, b);
+  }
+  const int64_t row = ((int64_t)b * p.N + n_head) * p.T_pad + m0;
+  bulk_load(sLse + s * BM, p.lse2 + row, BM * 4, &bar_full[s]);
+  bulk_load(sDelta + s * BM, p.delta + row, BM * 4, &bar_full[s]);
+}
+
+// Shared-memory pointers and mbarriers of one CTA that the dQ warpgroup uses.
+struct BwdDQWGSmem {
+  uint8_t *sK, *sQ, *sdO, *sdS, *sdQ;
+  float *sLse, *sDelta;
+  uint64_t *bar_full, *bar_empty;      // the (Q, dO, lse, delta) ring
+  uint64_t *bar_ds_full, *bar_ds_empty;  // the two dS^T buffers: stored by both consumers / read by dQ
+};
+
+// Warpgroup 0 of the dQ-warpgroup variant (bwd_sm90_kernel<H, true>, H <= 128). Thread 0 streams
+// the query tiles as the default producer does, as far ahead as the ring allows; the warpgroup
+// computes dQ[BM x HV] = dS K of each query tile over all BN keys from the consumers' dS^T buffer
+// (A = dS: M = queries along the dS^T rows, K = keys down them; B = K likewise), in passes of PN
+// columns (one PN / 2-register accumulator each: tile_config.cuh says why PN = 32 at H = 128), into
+// the shared fp32 dQ tile, and thread 32 adds it to the global dQ with TMA reduce-add, ordered across
+// key tiles when deterministic (the default kernel's writer). At H = 128 each column's dQ is the
+// default kernel's product (same keys, same k16 steps, same order); at H = 64 one 128-key product
+// replaces the default kernel's two 64-key partials (one per consumer, both reduce-added): other
+// bits, half the reduce-add traffic.
+template <int H>
+__device__ __forceinline__ void dq_warpgroup(const CUtensorMap* tm_q, const CUtensorMap* tm_do,
+                                             const CUtensorMap* tm_dq, const BwdParams& p, const BwdDQWGSmem& sm,
+                                             int kh, int b, int chunk, int n_tile, int dq_b, int dq_n0) {
+  using Cfg = BwdTileConfig<H>;
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages, SW = Cfg::kSw;
+  constexpr int HV = Cfg::kHV, PN = Cfg::kDQWGPassN;
+  constexpr int kHalf = BM * 128;  // one 32-column fp32 half of the dQ tile: BM rows of 128 bytes
+  static_assert(Cfg::kDQWGFits, "the dQ warpgroup fits the register file at H <= 128 only (tile_config.cuh)");
+  static_assert(HV % PN == 0 && PN % 32 == 0 && (PN <= 64), "passes are whole 32-column halves of one 64-column atom");
+  static_assert((HV / 32) * kHalf <= Cfg::kDQBytes, "the dQ tile must fit the shared dQ buffer");
+  const int k0 = n_tile * BN;
+  const BwdWork work = bwd_work<BM, BN>(p, b, k0);
+  const int m_lo = work.m_lo, n_m = work.n_m, n_iters = work.n_iters;
+  if (n_iters == 0) return;
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32, gid = lane / 4, tq = lane % 4;
+  if (t == 0) {
+    tma_prefetch_desc(tm_q);
+    tma_prefetch_desc(tm_do);
+    for (int it = 0; it < ST && it < n_iters; ++it)
+      load_query_tile<H>(p, tm_q, tm_do, sm.sQ, sm.sdO, sm.sLse, sm.sDelta, sm.bar_full, it, kh, b, m_lo, n_m);
+  } else if (t == 32) {
+    tma_prefetch_desc(tm_dq);
+  }
+  const uint32_t k_base = smem_u32(sm.sK);
+  for (int it = 0; it < n_iters; ++it) {
+    const int n_head = kh * p.group + it / n_m;
+    const int m_block = m_lo + it % n_m;
+    const int m0 = m_block * BM;
+    const uint32_t ds_base = smem_u32(sm.sdS + (it & 1) * Cfg::kDSBytes);
+    mbar_wait(&sm.bar_ds_full[it & 1], (it >> 1) & 1);  // both consumers' dS^T of this tile stored
+#pragma unroll 1
+    for (int pass = 0; pass < HV / PN; ++pass) {
+      float dq[PN / 2];
+#pragma unroll
+      for (int i = 0; i < PN / 2; ++i) reg_fence(dq[i]);
+      // B = K's columns [PN pass, PN pass + PN): 64-column atom (PN pass) / 64, at byte (PN pass % 64) * 2
+      // of its 128-byte rows (the 128B swizzle XORs address bits 4..6 with 7..9, so a start 64 bytes
+      // into the rows reads chunks 4..7 where the TMA-style layout put them).
+      const uint32_t b_cols = k_base + (pass * PN / 64) * BN * SW + (pass * PN % 64) * 2;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t da = make_desc_mn128(ds_base + kk * 16 * SW, BN * SW);
+        const uint64_t db = make_desc_mn128(b_cols + kk * 16 * SW, BN * SW);
+        BwdMma<PN>::ss_mn(dq, da, db, kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < PN / 2; ++i) reg_fence(dq[i]);
+      // Every thread arrives (an arrive orders only its own thread's reads: the stage-release note).
+      if (pass == HV / PN - 1) mbar_arrive(&sm.bar_ds_empty[it & 1]);
+      if (pass == 0) {
+        // Producer duty, outside any wgmma in flight (a branch between an issue and its wait made
+        // ptxas serialise the k-steps and spill the accumulators): the consumers release this
+        // tile's stage once their dV and dK of it are done, right after the dS^T stores that let
+        // this warpgroup in, and are by then on tile it + 1, loaded a tile earlier; tile it + ST
+        // goes into the stage.
+        if (t == 0 && it + ST < n_iters) {
+          mbar_wait(&sm.bar_empty[it % ST], (((it + ST) / ST) & 1) ^ 1);
+          load_query_tile<H>(p, tm_q, tm_do, sm.sQ, sm.sdO, sm.sLse, sm.sDelta, sm.bar_full, it + ST, kh, b, m_lo, n_m);
+        }
+        __syncwarp();  // bar.sync and wgmma are warp-aligned: warp 0 reconverges after thread 0's loads
+        // The writer passes this barrier only after its previous reduce-add has read the dQ tile.
+        asm volatile("bar.sync 7, 128;" ::: "memory");
+      }
+      // Accumulator element i of n-group j: query m0 + 16 warp + gid + 8 ((i >> 1) & 1), column
+      // PN pass + 8 j + 2 tq + (i & 1); the layout is the default kernel's dQ tile (32-column halves
+      // of 128-byte rows, 128B swizzle: 16-byte chunk ^ (row & 7); float2 stores).
+#pragma unroll
+      for (int j = 0; j < PN / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = pass * PN + 8 * j;
+          const int r = warp * 16 + gid + 8 * h;
+          const int chunk16 = ((col % 32) / 8) * 2 + tq / 2;
+          const uint32_t off = (col / 32) * kHalf + r * 128 + ((chunk16 ^ (r & 7)) << 4) + (tq & 1) * 8;
+          *reinterpret_cast<float2*>(sm.sdQ + off) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+        }
+    }
+    fence_proxy_async_shared();  // the generic-proxy stores before the TMA unit's reads
+    asm volatile("bar.sync 7, 128;" ::: "memory");
+    if (t == 32) {
+      int32_t* sem = p.sem + (((int64_t)b * p.N + n_head) * Cfg::kChunks + chunk) * p.num_m_blocks + m_block;
+      if (p.deterministic) {
+        dq_order_acquire(sem, n_tile - first_key_tile<BM, BN>(m0, p.mask));
+        fence_proxy_async_global();
+      }
+#pragma unroll
+      for (int half = 0; half < HV / 32; ++half)
+        tma_reduce_add_4d(tm_dq, sm.sdQ + half * kHalf, 32 * half, m0, n_head - dq_n0, dq_b);
+      bulk_commit();
+      if (p.deterministic) {
+        bulk_wait<0>();
+        fence_proxy_async_global();
+        dq_order_release(sem);
+      } else {
+        bulk_wait_read<0>();
+      }
+    }
+    __syncwarp();  // warp 1 reconverges after the writer's thread
+  }
+  if (t == 32) bulk_wait<0>();
+}
+
+// kDQWG: the dQ-warpgroup variant (opt-in, H <= 128; tile_config.cuh and dq_warpgroup above).
+template <int H, bool kDQWG = false>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                     const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
   using Cfg = BwdTileConfig<H>;
+  static_assert(!kDQWG || Cfg::kDQWGFits, "the dQ-warpgroup variant exists at H <= 128 only (tile_config.cuh)");
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, ST = Cfg::kStages, HV = Cfg::kHV, SW = Cfg::kSw;
   constexpr int ATOMS = Cfg::kAtoms;
   constexpr bool kDQSmem = Cfg::kDQViaSmem;
@@ -276,11 +426,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* sLse = reinterpret_cast<float*>(sdQ + (kDQSmem ? Cfg::kDQBytes : 0));  // ST x BM
   float* sDelta = sLse + ST * BM;                                               // ST x BM
   uint8_t* sXchg = reinterpret_cast<uint8_t*>(sDelta + ST * BM);  // [consumer][warp][BM / 2] u16x2 scale-byte words
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sXchg + Cfg::kXchgBytes);
+  // (the dQ-warpgroup variant holds two exchange buffers, one per query-tile parity)
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sXchg + (kDQWG ? 2 : 1) * Cfg::kXchgBytes);
   uint64_t* bar_full = bars;
   uint64_t* bar_empty = bars + ST;
   uint64_t* bar_dq_full = bars + 2 * ST;       // both consumers' dQ tiles stored (every thread arrives)
   uint64_t* bar_dq_empty = bars + 1 + 2 * ST;  // the reduce-add has read the dQ tiles
+  uint64_t* bar_ds_full = bars + 2 + 2 * ST;   // kDQWG, per dS^T buffer: both consumers stored it
+  uint64_t* bar_ds_empty = bars + 4 + 2 * ST;  // kDQWG, per dS^T buffer: the dQ warpgroup read it
 
   // Either order launches key tile j - 1 of a head before its tile j, which the deterministic dQ
   // order waits on. Under a causal mask key tile j's work shrinks with j, so the launcher makes the
@@ -302,12 +455,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_init(bar_dq_full, kNumConsumerWG * kWarpgroupThreads);
     mbar_init(bar_dq_empty, 1);
+    if constexpr (kDQWG) {
+      for (int i = 0; i < 2; ++i) {
+        mbar_init(&bar_ds_full[i], kNumConsumerWG * kWarpgroupThreads);
+        mbar_init(&bar_ds_empty[i], kWarpgroupThreads);
+      }
+    }
     fence_barrier_init();
   }
   __syncthreads();
 
   const int wg = threadIdx.x / kWarpgroupThreads;
-  if (wg == static_cast<int>(WarpRole::kProducer)) {
+  if constexpr (kDQWG) {
+    if (wg == static_cast<int>(WarpRole::kProducer)) {
+      setmaxnreg_dec<Cfg::kDQWGProducerRegs>();
+      const BwdDQWGSmem sm{sK, sQ, sdO, sdS, sdQ, sLse, sDelta, bar_full, bar_empty, bar_ds_full, bar_ds_empty};
+      dq_warpgroup<H>(&tm_q, &tm_do, &tm_dq, p, sm, kh, b, chunk, n_tile, dq_b, dq_n0);
+      return;
+    }
+  } else if (wg == static_cast<int>(WarpRole::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
     const BwdWork work = bwd_work<BM, BN>(p, b, k0);
     const int m_lo = work.m_lo, n_m = work.n_m, n_iters = work.n_iters;
@@ -365,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<kDQWG ? Cfg::kDQWGConsumerRegs : kConsumerRegs>();
   const BwdWork work = bwd_work<BM, BN>(p, b, k0);
   const int kv_len = work.kv_len, m_lo = work.m_lo, n_m = work.n_m, n_iters = work.n_iters;
   const int cw = wg - 1;  // keys [k0 + 64 cw, k0 + 64 cw + 64)
@@ -565,14 +731,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       bw[j] = w;
     }
     {
-      uint32_t* mine = reinterpret_cast<uint32_t*>(sXchg) + (cw * 4 + warp) * (BM / 2);
-      const uint32_t* other = reinterpret_cast<const uint32_t*>(sXchg) + (cw * 4 + (warp ^ 1)) * (BM / 2);
+      uint8_t* xchg = kDQWG ? sXchg + (it & 1) * Cfg::kXchgBytes : sXchg;
+      uint32_t* mine = reinterpret_cast<uint32_t*>(xchg) + (cw * 4 + warp) * (BM / 2);
+      const uint32_t* other = reinterpret_cast<const uint32_t*>(xchg) + (cw * 4 + (warp ^ 1)) * (BM / 2);
       if (gid == 0) {
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) mine[4 * j + tq] = bw[j];
       }
       // The two warps of a 32-key block (64 threads; ids 3..6). The partner reads these words before
-      // it reaches barrier 1 below, and this warp writes the next tile's only after barrier 1.
+      // it reaches barrier 1 below, and this warp writes the next tile's only after barrier 1. (kDQWG,
+      // no barrier 1: a buffer per tile parity; this warp writes tile it + 2's words only after this
+      // barrier of tile it + 1, which the partner reaches only after reading tile it's.)
       asm volatile("bar.sync %0, 64;" ::"r"(3 + 2 * cw + (warp >> 1)) : "memory");
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) bw[j] = prep::max_u16x2(bw[j], other[4 * j + tq]);
@@ -583,6 +752,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Values dp[4 j + 2 kh2 + {0, 1}] are (key key_loc[kh2], queries 8 j + 2 tq + {0, 1}): 16-byte
     // chunk j of the key's row.
     uint8_t* ds_buf = sdS + (it & 1) * Cfg::kDSBytes;
+    // kDQWG: the dQ warpgroup has read this buffer's previous tile (it - 2); in the default kernel
+    // both consumers' own dQ of it - 2 waited on it, before barrier 1 of it - 1.
+    if constexpr (kDQWG) {
+      if (it >= 2) mbar_wait(&bar_ds_empty[it & 1], ((it >> 1) - 1) & 1);
+    }
     // This tile's buffer folded into the row offsets: kDSBytes is a power of two above every offset.
     const uint32_t ds_off[2] = {ds_row[0] ^ ((it & 1) * Cfg::kDSBytes), ds_row[1] ^ ((it & 1) * Cfg::kDSBytes)};
 #pragma unroll
@@ -597,6 +771,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (kDQWG) {
+      // Hand the tile to the dQ warpgroup and go on: no barrier with the other consumer.
+      mbar_arrive(&bar_ds_full[it & 1]);
+      JAX_FA4_BWD_TRACE_AT(it, 11);
+      wgmma_wait<0>();  // dV and dK done: Q, dO, lse and delta of stage s are no longer read
+#pragma unroll
+      for (int i = 0; i < HV / 2; ++i) {
+        reg_fence(dv[i]);
+        reg_fence(dk[i]);
+      }
+      mbar_arrive(&bar_empty[s]);  // every consumer thread (the stage-release note below)
+      JAX_FA4_BWD_TRACE_AT(it, 13);
+      continue;
+    }
     asm volatile("bar.sync 1, 256;" ::: "memory");
     JAX_FA4_BWD_TRACE_AT(it, 11);
 

@@ -11,6 +11,7 @@
 // way tile j - 1 of a head launches before its tile j, which the deterministic dQ order waits on.
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cstdlib>
 #include "cuda/bwd_dq_epilogue.cuh"
 #include "cuda/bwd_sm90_kernel.cuh"
 #include "cuda/launch.h"
@@ -67,9 +68,10 @@ cudaError_t dq_epilogue(const BwdArgs& a, int b0, int nb, int kh0, int nkh, cuda
   return cudaGetLastError();
 }
 
-template <int H>
+template <int H, bool kDQWG>
 cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<H>;
+  constexpr int kSmem = kDQWG ? Cfg::kDQWGSmemBytes : Cfg::kSmemBytes;
   constexpr cuuint64_t RB = Cfg::kRowBytes;  // bf16 rows, described as bytes
   CUtensorMap tm_q, tm_do;
   auto rows_map = [&](CUtensorMap* m, const void* base, int L, int heads, int box_rows) {
@@ -92,7 +94,7 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
         e != cudaSuccess)
       return e;
   }
-  if (cudaError_t e = set_max_smem_once<sm90::bwd_sm90_kernel<H>>(Cfg::kSmemBytes); e != cudaSuccess) return e;
+  if (cudaError_t e = set_max_smem_once<sm90::bwd_sm90_kernel<H, kDQWG>>(kSmem); e != cudaSuccess) return e;
   const int n_tiles = (a.S + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if ((int64_t)a.Kh * Cfg::kChunks > 65535) return cudaErrorInvalidValue;
   // The key tile is the grid's y index under a causal mask (a 65535 limit, S < 8.4M keys); else x.
@@ -106,7 +108,7 @@ cudaError_t launch_h(const BwdArgs& a, BwdParams& p, cudaStream_t stream) {
       p.b0 = b0;
       p.kh0 = kh0;
       const dim3 grid = p.tiles_slowest ? dim3(nkh * Cfg::kChunks, n_tiles, nb) : dim3(n_tiles, nkh * Cfg::kChunks, nb);
-      sm90::bwd_sm90_kernel<H><<<grid, sm90::kThreads, Cfg::kSmemBytes, stream>>>(tm_q, tm_do, tm_dq, p);
+      sm90::bwd_sm90_kernel<H, kDQWG><<<grid, sm90::kThreads, kSmem, stream>>>(tm_q, tm_do, tm_dq, p);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
       if (cudaError_t e = dq_epilogue(a, b0, nb, kh0, nkh, stream); e != cudaSuccess) return e;
     }
@@ -146,10 +148,16 @@ cudaError_t launch_bwd_sm90(const BwdArgs& a, cudaStream_t stream) {
   p.scale = a.scale;
   p.scale_log2 = a.scale * 1.4426950408889634f;
   p.mask = sm90::make_mask_params(a.window_left, a.window_right, a.causal);
+  // JAX_FA4_SM90_BWD_DQWG=1 (read per launch; H <= 128): the dQ-warpgroup kernel, in which
+  // warpgroup 0 computes dQ and the consumers no longer meet at a barrier per query tile
+  // (tile_config.cuh). Built and checked with ptxas only, never run on a GPU yet: off by default
+  // until a GPU run has tested and timed it (docs/HOPPER_BACKWARD.md, "The dQ warpgroup").
+  const char* dw = std::getenv("JAX_FA4_SM90_BWD_DQWG");
+  const bool dqwg = dw != nullptr && dw[0] == '1';
   switch (a.H) {
-    case 64: return launch_h<64>(a, p, stream);
-    case 128: return launch_h<128>(a, p, stream);
-    case 256: return launch_h<256>(a, p, stream);
+    case 64: return dqwg ? launch_h<64, true>(a, p, stream) : launch_h<64, false>(a, p, stream);
+    case 128: return dqwg ? launch_h<128, true>(a, p, stream) : launch_h<128, false>(a, p, stream);
+    case 256: return launch_h<256, false>(a, p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

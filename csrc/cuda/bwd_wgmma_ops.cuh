@@ -18,6 +18,15 @@ __device__ __forceinline__ void bwd_ss_m64n64k16_t00(float* d, uint64_t desc_a, 
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], both from shared memory; A M-major, B N-major.
+__device__ __forceinline__ void bwd_ss_m64n32k16_t11(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], both from shared memory; A M-major, B N-major.
 __device__ __forceinline__ void bwd_ss_m64n64k16_t11(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
@@ -46,6 +55,9 @@ __device__ __forceinline__ void bwd_rs_m64n128k16_tb(float* d, const uint32_t* a
 }
 
 template <int N> struct BwdMma;
+template <> struct BwdMma<32> {  // the dQ warpgroup's 32-column dQ passes
+  static __device__ __forceinline__ void ss_mn(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n32k16_t11(d, a, b, s); }
+};
 template <> struct BwdMma<64> {
   static __device__ __forceinline__ void ss_kk(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n64k16_t00(d, a, b, s); }
   static __device__ __forceinline__ void ss_mn(float* d, uint64_t a, uint64_t b, int s) { bwd_ss_m64n64k16_t11(d, a, b, s); }

@@ -134,6 +134,32 @@ template <int H> struct BwdTileConfig {
   static_assert(kBlockM * 4 % 16 == 0, "lse / delta rows are bulk copies of 16-byte multiples");
   static_assert(kDQBytes % 1024 == 0, "dQ tiles must stay 1024-byte aligned");
   static_assert(H == 256 || kDQViaSmem, "H <= 128 is meant to take the TMA reduce-add path of dQ");
+
+  // ---- The dQ-warpgroup variant (bwd_sm90_kernel<H, true>, opt-in, H <= 128): warpgroup 0 also
+  // computes dQ = dS K from the consumers' dS^T tiles, so the consumers neither meet at barrier 1
+  // before dQ (which keeps them in lock-step: docs/HOPPER_BACKWARD.md, "Where the time goes") nor
+  // spend the dQ issue, wait and store of every query tile. Registers (ptxas, nvcc 13.0): the CTA's
+  // pool is 384 x 168 = 64512 (__launch_bounds__(384, 1), 8-register granules).
+  //   H = 64: the consumers' peak (dK + dV + S^T + dP^T) is 128 + addressing; warpgroup 0 holds
+  //     one 64-column pass (32 accumulators) and needs 64 (at 56 ptxas drops every setmaxnreg of
+  //     the kernel without a warning): 128 x 64 + 256 x 216 = 63488, no spills.
+  //   H = 128: the peak is 192 + addressing and needs 224 (the default kernel spills 384 bytes at
+  //     216), which leaves 56 for warpgroup 0: too few for a 64-column pass (ptxas drops
+  //     setmaxnreg), enough for 32-column passes (16 accumulators): 128 x 56 + 256 x 224 = 64512.
+  //     ptxas then spills 5 consumer registers inside the masked-tile branch only (none on full
+  //     tiles) and a few of warpgroup 0's loop scalars.
+  static constexpr bool kDQWGFits = H <= 128;
+  static constexpr int kDQWGPassN = H == 64 ? 64 : 32;                // dQ columns per pass
+  static constexpr int kDQWGProducerRegs = H == 64 ? 64 : 56;
+  static constexpr int kDQWGConsumerRegs = H == 64 ? 216 : 224;
+  static_assert(kWarpgroupThreads * kDQWGProducerRegs + kNumConsumerWG * kWarpgroupThreads * kDQWGConsumerRegs <=
+                    kThreads * 168,
+                "the dQ warpgroup's register split exceeds the CTA's pool (384 threads x 168)");
+  // Extra shared memory: a second scale-byte exchange buffer (the consumers no longer meet at
+  // barrier 1 between query tiles, so a warp may write tile it + 1's words while its partner still
+  // reads tile it's) and the dS^T full / empty mbarriers (in the 256-byte barrier area).
+  static constexpr int kDQWGSmemBytes = kSmemBytes + kXchgBytes;
+  static_assert(!kDQWGFits || kDQWGSmemBytes <= 227 * 1024, "the dQ-warpgroup variant exceeds one SM's shared memory");
 };
 
 }  // namespace jax_fa4::sm90
