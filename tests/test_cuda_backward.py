@@ -360,10 +360,28 @@ def test_dq_chunks_are_the_fp32_dq_rounded_once(H):
 _DQWG_CASES = [c for c in CASES if c[5] in (64, 128)]
 
 
+@pytest.fixture
+def dqwg_on():
+  """The switch on, with jax's caches cleared on the way in and out: the launcher reads it at each
+  launch, but a launch that XLA recorded into a command buffer (CUDA graph) replays the kernel of its
+  recording, so a cached executable could run the other kernel than the switch says."""
+  old = os.environ.get("JAX_FA4_SM90_BWD_DQWG")
+  os.environ["JAX_FA4_SM90_BWD_DQWG"] = "1"
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop("JAX_FA4_SM90_BWD_DQWG", None)
+    else:
+      os.environ["JAX_FA4_SM90_BWD_DQWG"] = old
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("case", _DQWG_CASES, ids=_ids)
-def test_dq_warpgroup_kernel_contract_and_dk_dv_bits(case, monkeypatch):
+def test_dq_warpgroup_kernel_contract_and_dk_dv_bits(case, request):
   want = _case_result(case)["grads"]  # the default kernel (cached before the switch is set)
-  monkeypatch.setenv("JAX_FA4_SM90_BWD_DQWG", "1")
+  request.getfixturevalue("dqwg_on")
   r = _run_case(case, _SEED + CASES.index(case))  # the same inputs, poisoned outputs
   dq, dk, dv = r["grads"]
   np.testing.assert_array_equal(dk, want[1], err_msg="dk")
@@ -377,12 +395,12 @@ def test_dq_warpgroup_kernel_contract_and_dk_dv_bits(case, monkeypatch):
 
 
 @pytest.mark.parametrize("H", [64, 128])
-def test_dq_warpgroup_kernel_deterministic(H, monkeypatch):
+def test_dq_warpgroup_kernel_deterministic(H, request):
   """deterministic=True stays bitwise reproducible with the dQ warpgroup (its writer takes the
   default kernel's per-tile order counters), under jit and vmap too; dK / dV are the default's bits."""
   args, kw = _deterministic_case(H)
   want = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
-  monkeypatch.setenv("JAX_FA4_SM90_BWD_DQWG", "1")
+  request.getfixturevalue("dqwg_on")
   a = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]
   jax.block_until_ready(jnp.full(a[0].shape, jnp.nan))  # poison
   b = [np.asarray(x) for x in _ops().backward(*args, deterministic=True, **kw)]

@@ -507,10 +507,15 @@ def test_loop_variants_and_grids_bitwise_equal(case, scores, monkeypatch):
     monkeypatch.setenv("JAX_FA4_SM90_PIPELINE", pipeline)
     monkeypatch.setenv("JAX_FA4_SM90_PERSISTENT", persistent)
     monkeypatch.setenv("JAX_FA4_SM90_CONSUMERS", consumers)
+    # A launch that XLA recorded into a command buffer (CUDA graph) replays the switches of its
+    # recording: a fresh executable per variant makes the launcher read them.
+    jax.clear_caches()
     jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))
     o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), scale=1.0 / np.sqrt(H),
                                is_causal=causal, window=window, out_dtype=jnp.float32, scores=scores)
     outs.append((np.asarray(o), np.asarray(lse)))
+  monkeypatch.undo()
+  jax.clear_caches()  # no executable recorded under the last variant outlives the test
   o0, l0 = outs[0]
   assert np.isfinite(o0).all()
   for (pipeline, persistent, consumers), (o, lse) in zip(_LOOP_VARIANTS[1:], outs[1:]):
