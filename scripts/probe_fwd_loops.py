@@ -18,8 +18,9 @@ beside cuDNN bf16 in the same process; forward_mx includes the preparation of Q,
 every variant).
 
 Consumers (JAX_FA4_SM90_CONSUMERS): 3 (192-row query tiles; the default for exact scores at H <= 128)
-or 2 (the default otherwise). The loop variants above are timed with two consumers (ping-pong needs
-two); --consumers times two against three instead.
+or 2 (the default otherwise); 4 (256-row query tiles of 64-key tiles, opt-in, exact scores at H = 64
+only). The loop variants above are timed with two consumers (ping-pong needs two); --consumers times
+two against three (and four at H = 64) instead.
 
   python scripts/probe_fwd_loops.py [--json OUT] [--quick] [--skip-identity] [--consumers]
 """
@@ -141,9 +142,9 @@ def timings(results: dict, quick: bool = False) -> None:
 
 
 def consumer_timings(results: dict) -> None:
-  """Two vs three consumer warpgroups (JAX_FA4_SM90_CONSUMERS; exact scores, H = 64 and 128)."""
+  """Two vs three (vs four at H = 64) consumer warpgroups (JAX_FA4_SM90_CONSUMERS; exact scores, H = 64, 128)."""
   for H, causal, fl, base, mxs, L in _shapes(results, (128, 64)):
-    for bits, cons in [(0, 2), (1, 2), (0, 3)] + ([(1, 3)] if H == 64 else []):
+    for bits, cons in [(0, 2), (1, 2), (0, 3)] + ([(1, 3), (0, 4)] if H == 64 else []):
       _set(bits, 0, cons)
       f = jax.jit(lambda a, b, c: co.forward_mx(a, b, c, L, L, scale=H ** -0.5, is_causal=causal))
       us = _time(f, mxs)
@@ -159,7 +160,7 @@ def main():
   ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
   ap.add_argument("--quick", action="store_true", help="H = 128 timings of a few variants only")
   ap.add_argument("--skip-identity", action="store_true", help="timings only (the GPU tests check bit-identity)")
-  ap.add_argument("--consumers", action="store_true", help="only: two vs three consumer warpgroups (H 64, 128)")
+  ap.add_argument("--consumers", action="store_true", help="only: two vs three (and four) consumer warpgroups (H 64, 128)")
   args = ap.parse_args()
   if args.consumers:
     results = {"device": jax.devices()[0].device_kind}

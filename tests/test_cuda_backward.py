@@ -19,7 +19,7 @@ import pytest
 
 from contract import _bf16, assert_contract, make_do, make_qkv
 # Shared with the forward's GPU tests: availability, the op module, the mask of the float64 truth.
-from test_cuda_forward import _cuda_available, _keep, _ops
+from test_cuda_forward import _cuda_available, _keep, _ops, kernel_switches
 from jax_fa4 import mx, reference
 
 
@@ -362,20 +362,9 @@ _DQWG_CASES = [c for c in CASES if c[5] in (64, 128)]
 
 @pytest.fixture
 def dqwg_on():
-  """The switch on, with jax's caches cleared on the way in and out: the launcher reads it at each
-  launch, but a launch that XLA recorded into a command buffer (CUDA graph) replays the kernel of its
-  recording, so a cached executable could run the other kernel than the switch says."""
-  old = os.environ.get("JAX_FA4_SM90_BWD_DQWG")
-  os.environ["JAX_FA4_SM90_BWD_DQWG"] = "1"
-  jax.clear_caches()
-  try:
+  """The switch on for the test (kernel_switches clears jax's caches around it)."""
+  with kernel_switches(JAX_FA4_SM90_BWD_DQWG="1"):
     yield
-  finally:
-    if old is None:
-      os.environ.pop("JAX_FA4_SM90_BWD_DQWG", None)
-    else:
-      os.environ["JAX_FA4_SM90_BWD_DQWG"] = old
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("case", _DQWG_CASES, ids=_ids)

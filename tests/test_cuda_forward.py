@@ -11,6 +11,7 @@ available (no extension or no compute-capability 9.0 GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -43,6 +44,25 @@ print(f"test_cuda_forward seed: {_SEED}")
 def _ops():
   from jax_fa4 import _cuda_ops
   return _cuda_ops
+
+
+@contextlib.contextmanager
+def kernel_switches(**env):
+  """The kernels' environment switches (read by the launchers at each launch) set for a block, with
+  jax's caches cleared on the way in and out: a launch that XLA recorded into a command buffer (CUDA
+  graph) replays the switches of its recording, so a cached executable could run another kernel."""
+  old = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    jax.clear_caches()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +516,7 @@ _LOOP_VARIANTS = [("0", "0", "2"), ("2", "1", "2"), ("1", "1", "2"), ("3", "1", 
 
 @pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[11], CASES[6], CASES[3]], ids=_ids)
-def test_loop_variants_and_grids_bitwise_equal(case, scores, monkeypatch):
+def test_loop_variants_and_grids_bitwise_equal(case, scores):
   B, T, S, N, K, H, causal, window, kind, lens = case
   q, k, v = make_qkv(kind, B, T, S, N, K, H, seed=_SEED + 101)
   ql = np.full((B,), T, np.int32) if lens is None else np.asarray(lens[0], np.int32)
@@ -504,18 +524,12 @@ def test_loop_variants_and_grids_bitwise_equal(case, scores, monkeypatch):
   qm, km, vm = mx.quantize(jnp.asarray(q), 3), mx.quantize(jnp.asarray(k), 3), mx.quantize(jnp.asarray(v), 1)
   outs = []
   for pipeline, persistent, consumers in _LOOP_VARIANTS:
-    monkeypatch.setenv("JAX_FA4_SM90_PIPELINE", pipeline)
-    monkeypatch.setenv("JAX_FA4_SM90_PERSISTENT", persistent)
-    monkeypatch.setenv("JAX_FA4_SM90_CONSUMERS", consumers)
-    # A launch that XLA recorded into a command buffer (CUDA graph) replays the switches of its
-    # recording: a fresh executable per variant makes the launcher read them.
-    jax.clear_caches()
-    jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))
-    o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), scale=1.0 / np.sqrt(H),
-                               is_causal=causal, window=window, out_dtype=jnp.float32, scores=scores)
-    outs.append((np.asarray(o), np.asarray(lse)))
-  monkeypatch.undo()
-  jax.clear_caches()  # no executable recorded under the last variant outlives the test
+    with kernel_switches(JAX_FA4_SM90_PIPELINE=pipeline, JAX_FA4_SM90_PERSISTENT=persistent,
+                         JAX_FA4_SM90_CONSUMERS=consumers):
+      jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))
+      o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), scale=1.0 / np.sqrt(H),
+                                 is_causal=causal, window=window, out_dtype=jnp.float32, scores=scores)
+      outs.append((np.asarray(o), np.asarray(lse)))
   o0, l0 = outs[0]
   assert np.isfinite(o0).all()
   for (pipeline, persistent, consumers), (o, lse) in zip(_LOOP_VARIANTS[1:], outs[1:]):
@@ -523,6 +537,37 @@ def test_loop_variants_and_grids_bitwise_equal(case, scores, monkeypatch):
                                   err_msg=f"O, pipeline={pipeline} persistent={persistent} consumers={consumers}")
     np.testing.assert_array_equal(lse.view(np.uint32), l0.view(np.uint32),
                                   err_msg=f"lse, pipeline={pipeline} persistent={persistent} consumers={consumers}")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == 64], ids=_ids)
+def test_four_consumers_contract(case):
+  """JAX_FA4_SM90_CONSUMERS=4 (opt-in; exact scores at H = 64): 256-row query tiles and 64-key tiles
+  (tile_config.cuh). Its online softmax rescales every 64 keys instead of 128, so it is not the other
+  kernels' bits; it must meet the contract for O and lse on its own, keep the row rules, and give the
+  same bits on a persistent grid as on one CTA per work tile (each row's arithmetic is the grid's)."""
+  r = _case_result(case)  # the default kernel's run: the inputs, the recipe, the truth
+  B, T, S, N, K, H = case[:6]
+  ql, kl = jnp.asarray(r["ql"]), jnp.asarray(r["kl"])
+  outs = []
+  for persistent in ("0", "2"):
+    with kernel_switches(JAX_FA4_SM90_CONSUMERS="4", JAX_FA4_SM90_PERSISTENT=persistent):
+      jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))  # poison
+      o, lse = _ops().forward_mx(r["qm"], r["km"], r["vm"], ql, kl, out_dtype=jnp.float32, scores="exact", **r["kw"])
+      outs.append((np.asarray(o), np.asarray(lse)))
+  (o, lse), (o2, lse2) = outs
+  np.testing.assert_array_equal(o2.view(np.uint32), o.view(np.uint32), err_msg="O, persistent grid")
+  np.testing.assert_array_equal(lse2.view(np.uint32), lse.view(np.uint32), err_msg="lse, persistent grid")
+  for b in range(B):
+    L = int(r["ql"][b])
+    assert np.all(o[b, L:] == 0) and np.all(np.isneginf(lse[b, L:])), f"batch {b}: rows >= q_len={L}"
+  assert np.all(np.isfinite(o)), "non-finite O"
+  fin = np.isfinite(r["lse_t"])
+  assert np.all(np.isfinite(lse[fin])) and np.all(np.isneginf(lse[~fin])), "lse finiteness differs"
+  seed = _SEED + CASES.index(case)
+  eo = assert_contract("O", o, r["o_rec"], r["o_b"], r["o_t"], seed=seed)
+  el = assert_contract("lse", lse, r["lse_rec"], r["lse_b"], r["lse_t"], seed=seed)
+  print(f"\n{_ids(case)} 4 consumers: O impl/recipe {eo[0] / max(eo[1], 1e-30):.3f}, lse err {el[0]:.3e} "
+        f"(recipe {el[1]:.3e}); O vs default kernel {rel_err(o, r['o']):.2e}")
 
 
 def test_forward_bf16_output_contract():

@@ -105,7 +105,7 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
   // Precision experiment switch (see fwd_sm90_mainloop.cuh); read per launch, off by default.
   const char* qp = std::getenv("JAX_FA4_SM90_QK_PROMOTE");
   p.qk_promote = (qp != nullptr && qp[0] == '1') ? 1 : 0;
-  // JAX_FA4_SM90_CONSUMERS=<2|3>: consumer warpgroups per CTA. 3 (192 query rows per CTA,
+  // JAX_FA4_SM90_CONSUMERS=<2|3|4>: consumer warpgroups per CTA (4: below, H = 64 exact only). 3 (192 query rows per CTA,
   // tile_config.cuh TileConfig) exists for exact scores at H <= 128 and is their default: on an H200
   // (2026-12-06, scripts/probe_fwd_loops.py --consumers, B=2 T=S=8192 N=16) it was 13% / 5% faster
   // than two consumers at H = 128 (non-causal / causal) and 19% / 18% at H = 64, bitwise equal.
@@ -128,6 +128,9 @@ cudaError_t launch_fwd_sm90(const FwdArgs& a, cudaStream_t stream) {
     p.qk_promote = 0;
     switch (a.H) {
       case 64:
+        // JAX_FA4_SM90_CONSUMERS=4: four consumers, 64-key tiles, the sequential loop (opt-in; built and
+        // read in SASS, not yet run on a GPU: tile_config.cuh).
+        if (cs != nullptr && cs[0] == '4') return launch_h<64, false, true, 4>(a, p, stream);
         if (three) return pipe ? launch_h<64, true, true, 3>(a, p, stream) : launch_h<64, false, true, 3>(a, p, stream);
         return pipe ? launch_h<64, true, true>(a, p, stream) : launch_h<64, false, true>(a, p, stream);
       case 128:

@@ -37,19 +37,27 @@ static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThr
 // 64512; the sequential loop needs O 32 + S 64 + P 16 = 112 at H = 64, and O 64 + S 64 + P 16 = 144
 // at H = 128 with P V in two N = 64 halves, both in flight once S is dead (O 64 + P 16 + 2 x 32;
 // fwd_sm90_mainloop.cuh).
+// kCons = 4 (opt-in, JAX_FA4_SM90_CONSUMERS=4; exact scores at H = 64 only; built, not yet run on a
+// GPU): a fourth chain per scheduler. 640 threads leave each at most 96 registers at entry (65536 /
+// 640, in 8-register granules): a pool of 61440, of which 128 x 24 + 512 x 112 = 60416; 112 hold
+// O 32 + S 32 + P 8 with BN = 64 keys per tile (BN = 128 would need S 64 + P 16: 112 before any
+// addressing). ptxas: no spills in the sequential loop (the overlapped loop spills 108 bytes).
 template <int H, int kQKBytes = 1, int kCons = kNumConsumerWG> struct TileConfig {
   static_assert(H == 64 || H == 128 || H == 256, "head dim must be 64, 128 or 256");
   static_assert(kQKBytes == 1 || kQKBytes == 2, "Q/K elements are e4m3 (1 byte) or bf16 (2 bytes)");
-  static_assert(kCons == 2 || (kCons == 3 && H <= 128), "3 consumer warpgroups fit the register file at H <= 128 only");
+  static_assert(kCons == 2 || (kCons == 3 && H <= 128) || (kCons == 4 && H == 64 && kQKBytes == 2),
+                "3 consumer warpgroups fit the register file at H <= 128 only, 4 at H = 64 with exact scores");
   static constexpr int kBM = 64 * kCons;  // query rows per CTA
   static constexpr int kThreads = (1 + kCons) * kWarpgroupThreads;
-  static constexpr int kConsumerRegs = kCons == kNumConsumerWG ? sm90::kConsumerRegs : 160;
-  static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <= 65536,
-                "register split exceeds the register file");
+  static constexpr int kConsumerRegs = kCons == kNumConsumerWG ? sm90::kConsumerRegs : kCons == 3 ? 160 : 112;
+  // The CTA's register pool: kThreads x the entry allocation __launch_bounds__(kThreads, 1) allows.
+  static constexpr int kPoolRegs = kThreads * ((65536 / kThreads) / 8 * 8);
+  static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <= kPoolRegs,
+                "register split exceeds the CTA's register pool");
   static constexpr int kHeadDim = H;
   static constexpr int kRowBytesQK = H * kQKBytes;  // one Q or K row in shared memory
   static constexpr int kStepsQK = kRowBytesQK / 32;  // wgmma k-steps of Q K^T
-  static constexpr int kBlockN = (H == 256) ? 64 : 128;
+  static constexpr int kBlockN = (H == 256 || kCons == 4) ? 64 : 128;
   // Shared memory per stage: K tile BN*H*kQKBytes bytes + V^T tile H*BN bytes + BN fp32 key scales.
   // Stages: enough to keep 2 tiles in flight ahead of the consumers; bounded by 227 KB
   // (H = 256 exact: 64 KB Q + 3 x 48 KB stages = 208 KB).
