@@ -10,14 +10,8 @@
 #   3. digests of both settings (H = 256 must not move; at H = 64 and 128 dK / dV must not, dQ may)
 #      and the backward's time at H = 64 and 128, in alternating processes, two rounds;
 #   4. the whole backward test file with the switch on (every H <= 128 test, H = 256 unchanged).
-# A CUDA module carried in jax_fa4/ is used as it is (see scripts/gpu_do_barrier.sh's header).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name --format=csv,noheader
-ls jax_fa4/_jax_fa4_cuda*.so >/dev/null 2>&1 || bash scripts/gpu_forward.sh build || exit 1
+# A CUDA module carried in jax_fa4/ is used as it is (scripts/gpu_prelude.sh).
+source "$(dirname "$0")/gpu_prelude.sh"
 echo "== $(date +%T) 1. pytest -k dq_warpgroup"
 timeout 150 $PY -m pytest -q -rA -s --no-header -p no:cacheprovider tests/test_cuda_backward.py -k dq_warpgroup \
   > "$OUT/pytest_dqwg.log" 2>&1

@@ -8,14 +8,8 @@
 #   2. compute-sanitizer racecheck and memcheck on tiny H = 64 forwards with the switch on;
 #   3. scripts/probe_fwd_loops.py --consumers: two, three and four consumers at H = 64 (and two,
 #      three at H = 128) beside cuDNN bf16 in one process, B=2, T=S=8192, N=16, causal and not.
-# A CUDA module carried in jax_fa4/ is used as it is (see scripts/gpu_do_barrier.sh's header).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
-nvidia-smi --query-gpu=name --format=csv,noheader
-ls jax_fa4/_jax_fa4_cuda*.so >/dev/null 2>&1 || bash scripts/gpu_forward.sh build || exit 1
+# A CUDA module carried in jax_fa4/ is used as it is (scripts/gpu_prelude.sh).
+source "$(dirname "$0")/gpu_prelude.sh"
 echo "== $(date +%T) 1. pytest -k 'four_consumers or loop_variants'"
 timeout 200 $PY -m pytest -q -rA -s --no-header -p no:cacheprovider tests/test_cuda_forward.py \
   -k "four_consumers or loop_variants" > "$OUT/pytest_cons4.log" 2>&1
