@@ -516,20 +516,25 @@ _LOOP_VARIANTS = [("0", "0", "2"), ("2", "1", "2"), ("1", "1", "2"), ("3", "1", 
 
 @pytest.mark.parametrize("scores", SCORES)
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[11], CASES[6], CASES[3]], ids=_ids)
-def test_loop_variants_and_grids_bitwise_equal(case, scores):
+def test_loop_variants_and_grids_bitwise_equal(case, scores, monkeypatch):
   B, T, S, N, K, H, causal, window, kind, lens = case
   q, k, v = make_qkv(kind, B, T, S, N, K, H, seed=_SEED + 101)
   ql = np.full((B,), T, np.int32) if lens is None else np.asarray(lens[0], np.int32)
   kl = np.full((B,), S, np.int32) if lens is None else np.asarray(lens[1], np.int32)
   qm, km, vm = mx.quantize(jnp.asarray(q), 3), mx.quantize(jnp.asarray(k), 3), mx.quantize(jnp.asarray(v), 1)
   outs = []
+  # forward_mx runs eagerly: each custom call is its own one-op executable, and XLA forms command
+  # buffers only from runs of several commands (--xla_gpu_graph_min_graph_size), so each launch reads
+  # the switches. (kernel_switches, which clears jax's caches, is for jitted programs; here it would
+  # recompile every op of every variant, on the scarce GPU time.)
   for pipeline, persistent, consumers in _LOOP_VARIANTS:
-    with kernel_switches(JAX_FA4_SM90_PIPELINE=pipeline, JAX_FA4_SM90_PERSISTENT=persistent,
-                         JAX_FA4_SM90_CONSUMERS=consumers):
-      jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))
-      o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), scale=1.0 / np.sqrt(H),
-                                 is_causal=causal, window=window, out_dtype=jnp.float32, scores=scores)
-      outs.append((np.asarray(o), np.asarray(lse)))
+    monkeypatch.setenv("JAX_FA4_SM90_PIPELINE", pipeline)
+    monkeypatch.setenv("JAX_FA4_SM90_PERSISTENT", persistent)
+    monkeypatch.setenv("JAX_FA4_SM90_CONSUMERS", consumers)
+    jax.block_until_ready((jnp.full((B, T, N, H), jnp.nan, jnp.float32), jnp.full((B, T, N), jnp.nan)))
+    o, lse = _ops().forward_mx(qm, km, vm, jnp.asarray(ql), jnp.asarray(kl), scale=1.0 / np.sqrt(H),
+                               is_causal=causal, window=window, out_dtype=jnp.float32, scores=scores)
+    outs.append((np.asarray(o), np.asarray(lse)))
   o0, l0 = outs[0]
   assert np.isfinite(o0).all()
   for (pipeline, persistent, consumers), (o, lse) in zip(_LOOP_VARIANTS[1:], outs[1:]):
