@@ -4,7 +4,7 @@
 # consumer warpgroups at H = 64"), compiled and read in SASS but never run. In order:
 #   1. its GPU tests (tests/test_cuda_forward.py -k four_consumers: the contract for O and lse on
 #      every H = 64 case, the row rules, the persistent grid bitwise its own) and the loop-variant
-#      test (which now clears jax's caches per variant);
+#      test (the other kernels' variants, unchanged, as a control);
 #   2. compute-sanitizer racecheck and memcheck on tiny H = 64 forwards with the switch on;
 #   3. scripts/probe_fwd_loops.py --consumers: two, three and four consumers at H = 64 (and two,
 #      three at H = 128) beside cuDNN bf16 in one process, B=2, T=S=8192, N=16, causal and not.
