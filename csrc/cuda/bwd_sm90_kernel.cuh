@@ -553,6 +553,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     dv[i] = 0.f;
     dk[i] = 0.f;
   }
+  // The dK / dV accumulators pinned in their registers across a wgmma issue or wait.
+  auto fence_dkv = [&]() {
+#pragma unroll
+    for (int i = 0; i < HV / 2; ++i) {
+      reg_fence(dv[i]);
+      reg_fence(dk[i]);
+    }
+  };
   if (n_iters > 0) {
     dequant_kv_tile<H>(sK, sV, p, b, kh, k0, threadIdx.x - kWarpgroupThreads);
     // The generic-proxy stores must be visible to the wgmma (async proxy) reads of both consumers
@@ -653,11 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- dV += P8^T dO, issued before dS is rounded so that the rounding runs while it does (B
     // N-major: the HV columns from h0 run along the 128-byte rows, one 64-column atom every BM * 128
     // bytes).
-#pragma unroll
-    for (int i = 0; i < HV / 2; ++i) {
-      reg_fence(dv[i]);
-      reg_fence(dk[i]);
-    }
+    fence_dkv();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
@@ -776,11 +780,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(&bar_ds_full[it & 1]);
       JAX_FA4_BWD_TRACE_AT(it, 11);
       wgmma_wait<0>();  // dV and dK done: Q, dO, lse and delta of stage s are no longer read
-#pragma unroll
-      for (int i = 0; i < HV / 2; ++i) {
-        reg_fence(dv[i]);
-        reg_fence(dk[i]);
-      }
+      fence_dkv();
       mbar_arrive(&bar_empty[s]);  // every consumer thread (the stage-release note below)
       JAX_FA4_BWD_TRACE_AT(it, 13);
       continue;
@@ -807,11 +807,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     JAX_FA4_BWD_TRACE_AT(it, 12);
     wgmma_wait<1>();  // dV and dK done: Q, dO, lse and delta of stage s are no longer read
-#pragma unroll
-    for (int i = 0; i < HV / 2; ++i) {
-      reg_fence(dv[i]);
-      reg_fence(dk[i]);
-    }
+    fence_dkv();
     // Every consumer thread arrives (as CUTLASS's pipelines do): an arrive releases only its own
     // thread's reads, so one arrive per warp after __syncwarp would leave the other lanes' lse /
     // delta reads unordered, by the letter of the PTX memory model, against the producer's next

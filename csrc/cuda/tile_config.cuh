@@ -13,12 +13,18 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kNumConsumerWG = 2;
 constexpr int kThreads = (1 + kNumConsumerWG) * kWarpgroupThreads;  // 384
 
+// The registers a CTA of `threads` threads holds, and setmaxnreg redistributes: each thread's entry
+// allocation under __launch_bounds__(threads, 1) is 65536 / threads rounded down to the 8-register
+// granule (168 at 384 threads, 128 at 512, 96 at 640).
+constexpr int cta_register_pool(int threads) { return threads * ((65536 / threads) / 8 * 8); }
+
 // Registers after setmaxnreg: 24 for the producer (it only runs one elected TMA thread) and 240
-// for the consumers. 128*24 + 256*240 = 64512 <= 65536 registers of one SM, so one CTA fits.
+// for the consumers: 128*24 + 256*240 = 64512, all of a 384-thread CTA's pool, so one CTA fits.
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThreads * kConsumerRegs <= 65536,
-              "register split exceeds the register file");
+static_assert(kWarpgroupThreads * kProducerRegs + kNumConsumerWG * kWarpgroupThreads * kConsumerRegs <=
+                  cta_register_pool(kThreads),
+              "register split exceeds the CTA's register pool");
 
 // Key tile size (the N of QK^T and the K of PV). Register budget per consumer thread:
 // O accumulator = 64*H/128 fp32, S accumulator = 64*BN/128 fp32, P = 64*BN/128/4 words.
@@ -50,9 +56,8 @@ template <int H, int kQKBytes = 1, int kCons = kNumConsumerWG> struct TileConfig
   static constexpr int kBM = 64 * kCons;  // query rows per CTA
   static constexpr int kThreads = (1 + kCons) * kWarpgroupThreads;
   static constexpr int kConsumerRegs = kCons == kNumConsumerWG ? sm90::kConsumerRegs : kCons == 3 ? 160 : 112;
-  // The CTA's register pool: kThreads x the entry allocation __launch_bounds__(kThreads, 1) allows.
-  static constexpr int kPoolRegs = kThreads * ((65536 / kThreads) / 8 * 8);
-  static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <= kPoolRegs,
+  static_assert(kWarpgroupThreads * kProducerRegs + kCons * kWarpgroupThreads * kConsumerRegs <=
+                    cta_register_pool(kThreads),
                 "register split exceeds the CTA's register pool");
   static constexpr int kHeadDim = H;
   static constexpr int kRowBytesQK = H * kQKBytes;  // one Q or K row in shared memory
@@ -161,8 +166,8 @@ template <int H> struct BwdTileConfig {
   static constexpr int kDQWGProducerRegs = H == 64 ? 64 : 56;
   static constexpr int kDQWGConsumerRegs = H == 64 ? 216 : 224;
   static_assert(kWarpgroupThreads * kDQWGProducerRegs + kNumConsumerWG * kWarpgroupThreads * kDQWGConsumerRegs <=
-                    kThreads * 168,
-                "the dQ warpgroup's register split exceeds the CTA's pool (384 threads x 168)");
+                    cta_register_pool(kThreads),
+                "the dQ warpgroup's register split exceeds the CTA's register pool");
   // Extra shared memory: a second scale-byte exchange buffer (the consumers no longer meet at
   // barrier 1 between query tiles, so a warp may write tile it + 1's words while its partner still
   // reads tile it's) and the dS^T full / empty mbarriers (in the 256-byte barrier area).
