@@ -7,14 +7,11 @@
 # A CUDA module carried in jax_fa4/ is used as it is (no build on the device): built on the CPU
 # machine with `JAX_FA4_CUDA=ON python3.12 -m pip wheel --no-deps -w /tmp/whl .` (build isolation
 # pins jaxlib 0.10.2's FFI headers) and unzipped from the wheel into jax_fa4/.
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-ls jax_fa4/_jax_fa4_cuda*.so >/dev/null 2>&1 || bash scripts/gpu_forward.sh build || exit 1
+source "$(dirname "$0")/gpu_call_start.sh"  # root, env, card, the CUDA module, the backward tests
 rm -rf ab_old/pkg && mkdir -p ab_old/pkg && cp -r jax_fa4 ab_old/pkg/
 sed -i '/optimization_barrier((q, do, lse))/d' ab_old/pkg/jax_fa4/_cuda_ops.py
 echo "barrier lines (new, old): $(grep -c 'optimization_barrier((q, do, lse))' jax_fa4/_cuda_ops.py)," \
      "$(grep -c 'optimization_barrier((q, do, lse))' ab_old/pkg/jax_fa4/_cuda_ops.py)"
-source scripts/gpu_call_start.sh
 bash scripts/gpu_ab_backward.sh 1 2>&1 | grep -v "^  mgpu"
 bash scripts/gpu_memreport.sh fa4 > /tmp/memreport.log 2>&1
 grep -v "^$" /tmp/memreport.log | head -30

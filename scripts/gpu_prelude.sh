@@ -1,4 +1,4 @@
-# Sourced by the one-call GPU scripts that check an opt-in kernel (gpu_bwd_dqwg.sh, gpu_fwd_cons4.sh):
+# Sourced by the one-call GPU scripts (gpu_bwd_dqwg.sh, gpu_fwd_cons4.sh; gpu_call_start.sh for the others):
 # the repository root, $OUT, the environment, $PY, the card's name, and the CUDA module: the one
 # carried in jax_fa4/ as it is (built on the CPU machine: scripts/gpu_do_barrier.sh's header says
 # how), else built here (scripts/gpu_forward.sh build).
